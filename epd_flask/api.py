@@ -1,0 +1,114 @@
+"""Thin Flask views: parse the request, hand it to the pipeline, return its reply."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from flask import Blueprint, Response, current_app, request
+
+from epd_flask.context import RequestContext
+from epd_flask.errors import ClientError, ProxyError
+from epd_flask.headers import REQUEST_ID_HEADER, request_id, upstream_headers
+from epd_flask.pipeline import Reply
+
+bp = Blueprint("api", __name__)
+
+COMPLETION_ROUTES = ("/v1/chat/completions", "/v1/completions")
+JSON_TYPES = ("application/json", "")
+
+
+def _services():
+    return current_app.extensions["epd_flask"]
+
+
+def _context() -> RequestContext:
+    rid = request_id(request.headers.get(REQUEST_ID_HEADER))
+    return RequestContext(rid, request.path, upstream_headers(request.headers.items(), rid))
+
+
+def parse_object(raw: bytes) -> dict[str, Any]:
+    """T1: the body must be one JSON object; anything else is refused before any backend."""
+    if not raw.strip():
+        raise ClientError("request body is empty; send a JSON object", code="invalid_json")
+    try:
+        # Decoded explicitly: json.loads(bytes) would also accept UTF-16/32, which vLLM won't.
+        doc = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ClientError("request body is not valid UTF-8", code="invalid_json") from None
+    except ValueError as exc:
+        raise ClientError(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(doc, dict):
+        raise ClientError(
+            f"request body must be a JSON object, got a JSON {_json_kind(doc)}",
+            code="invalid_json")
+    return doc
+
+
+def _json_kind(doc: Any) -> str:
+    return {list: "array", str: "string", bool: "boolean", type(None): "null"}.get(
+        type(doc), "number")
+
+
+def _respond(reply: Reply) -> Response:
+    return Response(reply.body, status=reply.status, headers=reply.headers,
+                    direct_passthrough=True)
+
+
+def _fail(err: ProxyError, ctx: RequestContext) -> ProxyError:
+    ctx.finish(status=err.status, error=err.message)
+    err.request_id = ctx.request_id
+    return err
+
+
+@bp.post("/v1/chat/completions")
+@bp.post("/v1/completions")
+def completions() -> Response:
+    ctx = _context()
+    try:
+        ctype = (request.mimetype or "").lower()
+        if ctype not in JSON_TYPES:
+            raise ClientError(f"Content-Type must be application/json, got {ctype}",
+                              status=415, code="unsupported_media_type")
+        body = parse_object(request.get_data(cache=False))
+        reply = _services().pipeline.completion(request.path, body, ctx)
+    except ProxyError as err:
+        raise _fail(err, ctx) from None
+    return _respond(reply)
+
+
+@bp.get("/health")
+@bp.get("/healthz")
+def health() -> Response:
+    svc = _services()
+    ready, reason = svc.pipeline.ready()
+    doc = {"status": "ok", "ready": ready, "reason": reason,
+           "connector": svc.roster.settings.connector, "instances": svc.registry.snapshot()}
+    return Response(json.dumps(doc), status=200, content_type="application/json")
+
+
+@bp.get("/ready")
+@bp.get("/readyz")
+def ready() -> Response:
+    ok, reason = _services().pipeline.ready()
+    doc = {"ready": ok, "reason": reason}
+    return Response(json.dumps(doc), status=200 if ok else 503, content_type="application/json")
+
+
+@bp.route("/", defaults={"path": ""}, methods=["GET", "POST"])
+@bp.route("/<path:path>", methods=["GET", "POST"])
+def passthrough(path: str) -> Response:
+    """T2: everything else reaches a decode-side instance with its query string."""
+    ctx = _context()
+    try:
+        raw: bytes | None = None
+        if request.method == "POST":
+            raw = request.get_data(cache=False)
+            if (request.mimetype or "") == "application/json" and raw.strip():
+                parse_object(raw)
+        reply = _services().pipeline.passthrough(
+            request.method, request.path, request.query_string.decode("latin-1"), raw,
+            request.headers.get("Content-Type"), ctx)
+    except ProxyError as err:
+        raise _fail(err, ctx) from None
+    return _respond(reply)

@@ -1,0 +1,103 @@
+"""The Flask factory: settings, blueprints, error handlers and per-worker services.
+
+``create_app`` builds; it opens no sockets and spawns no greenlets. The server starts the
+background work with ``services(app).start()`` (the gunicorn ``post_worker_init`` hook in
+production, a fixture in tests), after gevent has patched the worker.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from flask import Flask, Response
+from werkzeug.exceptions import HTTPException
+
+from epd_flask import errors
+from epd_flask import roster as roster_mod
+from epd_flask.config import ProxyConfig
+from epd_flask.connectors import get_connector
+from epd_flask.errors import ClientError, ProxyError
+from epd_flask.headers import REQUEST_ID_HEADER
+from epd_flask.pipeline import Pipeline
+from epd_flask.prober import Prober
+from epd_flask.registry import Registry
+from epd_flask.roster import Roster
+from epd_flask.routing import Router
+from epd_flask.transport import Transport
+
+logger = logging.getLogger(__name__)
+
+EXTENSION = "epd_flask"
+
+
+@dataclass
+class Services:
+    config: ProxyConfig
+    roster: Roster
+    registry: Registry
+    router: Router
+    transport: Transport
+    pipeline: Pipeline
+    prober: Prober
+
+    def start(self) -> None:
+        self.prober.start()
+
+    def stop(self) -> None:
+        self.prober.stop()
+        self.transport.close()
+
+
+def build_services(config: ProxyConfig, roster: Roster) -> Services:
+    settings = roster.settings
+    registry = Registry(roster.instances, settings.fail_threshold, settings.evicted_ttl)
+    router = Router(registry)
+    transport = Transport(settings.connect_timeout, config.pool_maxsize)
+    pipeline = Pipeline(roster, registry, router, transport, get_connector(settings.connector))
+    prober = Prober(registry, transport, lambda: pipeline.roster.settings)
+    return Services(config, roster, registry, router, transport, pipeline, prober)
+
+
+def create_app(config: ProxyConfig | None = None, roster: Roster | None = None) -> Flask:
+    config = config or ProxyConfig.from_env()
+    if roster is None:
+        roster = roster_mod.load(config.roster_path)
+    app = Flask("epd_flask")
+    app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
+    app.extensions[EXTENSION] = build_services(config, roster)
+
+    from epd_flask.api import bp
+
+    app.register_blueprint(bp)
+    app.register_error_handler(ProxyError, error_response)
+    app.register_error_handler(HTTPException, http_error_response)
+    return app
+
+
+def services(app: Flask) -> Services:
+    return app.extensions[EXTENSION]
+
+
+def error_response(err: ProxyError) -> Response:
+    status, body, content_type = errors.render(err)
+    response = Response(body, status=status, content_type=content_type)
+    if err.request_id:
+        response.headers[REQUEST_ID_HEADER] = err.request_id
+    return response
+
+
+def http_error_response(exc: HTTPException) -> Response:
+    """Werkzeug's own refusals (413, 405, 404 ...) in OpenAI's shape instead of HTML."""
+    kinds: dict[int, type[ProxyError]] = {
+        404: errors.NotFound, 405: errors.MethodNotAllowed, 413: errors.PayloadTooLarge,
+    }
+    cls = kinds.get(exc.code or 400, ClientError)
+    message = exc.description or exc.name
+    if exc.code == 413:
+        message = "request body is larger than this proxy accepts"
+    err = cls(message, status=exc.code)
+    response = error_response(err)
+    if exc.code == 405 and getattr(exc, "valid_methods", None):
+        response.headers["Allow"] = ", ".join(exc.valid_methods)
+    return response

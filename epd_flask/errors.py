@@ -1,0 +1,174 @@
+"""The proxy's error taxonomy and its rendering in OpenAI's error shape.
+
+Every failure a client can see is one of these classes; the class says the status, whether
+the request may be retried on another instance, and which stage failed. Rendering happens in
+one place (``render``/``sse_event``) so the wire shape cannot drift between code paths.
+Imports nothing of ours.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+class ProxyError(Exception):
+    """Root of everything the proxy turns into a client-visible error."""
+
+    status: int = 500
+    type: str = "internal_error"
+    code: str = "internal_error"
+    retryable: bool = False
+    request_id: str | None = None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int | None = None,
+        code: str | None = None,
+        stage: str | None = None,
+        instance: str | None = None,
+        param: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        if status is not None:
+            self.status = status
+        if code is not None:
+            self.code = code
+        self.stage = stage
+        self.instance = instance
+        self.param = param
+
+    def payload(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+class ClientError(ProxyError):
+    """The request itself is wrong; no backend was (or will be) called."""
+
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_request"
+
+
+class PayloadTooLarge(ClientError):
+    status = 413
+    code = "payload_too_large"
+
+
+class NotFound(ClientError):
+    status = 404
+    code = "not_found"
+
+
+class MethodNotAllowed(ClientError):
+    status = 405
+    code = "method_not_allowed"
+
+
+class Unauthorized(ProxyError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class Forbidden(ProxyError):
+    status = 403
+    type = "permission_error"
+    code = "forbidden"
+
+
+class NoBackend(ProxyError):
+    """No live instance can take this stage; a stable status operators can alert on."""
+
+    status = 503
+    type = "service_unavailable"
+    code = "no_backend"
+
+
+class BackendError(ProxyError):
+    """An upstream instance failed in a way that is not the client's fault."""
+
+    status = 502
+    type = "upstream_error"
+    code = "upstream_error"
+
+
+class BackendUnavailable(BackendError):
+    """The instance could not be reached (refused, reset before a response): safe to retry
+    elsewhere because the instance never started the work."""
+
+    status = 503
+    code = "upstream_unavailable"
+    retryable = True
+
+
+class BackendTimeout(BackendError):
+    status = 504
+    type = "timeout_error"
+    code = "upstream_timeout"
+
+
+class StreamInterrupted(BackendError):
+    """The upstream died after bytes reached the client: reported in band, never retried."""
+
+    code = "stream_interrupted"
+
+
+class BackendStatus(BackendError):
+    """The instance answered with an error status.
+
+    4xx answers are the client's own fault as vLLM judged it, so its body is relayed as is;
+    5xx answers may be retried before the first byte reached the client.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        upstream_status: int,
+        body: bytes,
+        content_type: str | None,
+        stage: str | None = None,
+        instance: str | None = None,
+    ) -> None:
+        super().__init__(message, status=upstream_status, stage=stage, instance=instance)
+        self.body = body
+        self.content_type = content_type
+        self.retryable = upstream_status >= 500
+        if upstream_status < 500:
+            self.type = "invalid_request_error"
+            self.code = "upstream_rejected"
+
+
+def render(err: ProxyError) -> tuple[int, bytes, str]:
+    """Status, body and content type for a client-facing error response.
+
+    An upstream's own OpenAI-shaped error body is passed through unchanged so clients see
+    vLLM's wording (e.g. "model does not exist"); anything else gets our shape.
+    """
+    if isinstance(err, BackendStatus) and _is_openai_error(err.body):
+        return err.status, err.body, "application/json"
+    return err.status, json.dumps(err.payload()).encode(), "application/json"
+
+
+def sse_event(err: ProxyError) -> bytes:
+    """An in-band error for a stream whose status line was already sent."""
+    return b"data: " + json.dumps(err.payload()).encode() + b"\n\n"
+
+
+def _is_openai_error(body: bytes) -> bool:
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(doc, dict) and isinstance(doc.get("error"), dict)

@@ -1,0 +1,62 @@
+"""Which headers cross the proxy, in each direction (T3).
+
+Inbound, only an allowlist of end-to-end headers reaches an upstream: anything else (cookies,
+proxy credentials, hop-by-hop headers) stays at the edge. Outbound, hop-by-hop headers and
+``content-length`` are dropped because the relay re-frames the body.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Iterable, Mapping
+
+REQUEST_ID_HEADER = "X-Request-Id"
+FORWARDED_REQUEST_HEADERS = frozenset({
+    "accept",
+    "accept-language",
+    "authorization",
+    "cache-control",
+    "idempotency-key",
+    "openai-organization",
+    "openai-project",
+    "traceparent",
+    "tracestate",
+    "user-agent",
+})
+HOP_BY_HOP = frozenset({
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "trailers",
+    "transfer-encoding",
+    "upgrade",
+})
+DROPPED_RESPONSE_HEADERS = HOP_BY_HOP | {"content-length", "date", "server", "x-request-id"}
+_SAFE_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+
+
+def request_id(client_value: str | None) -> str:
+    """The client's id when it is safe to put in upstream headers and logs, else a fresh one."""
+    if client_value and _SAFE_REQUEST_ID.fullmatch(client_value):
+        return client_value
+    return uuid.uuid4().hex
+
+
+def upstream_headers(client: Iterable[tuple[str, str]], rid: str) -> dict[str, str]:
+    """Headers for every upstream call of one request: the allowlist plus our request id."""
+    out = {name: value for name, value in client if name.lower() in FORWARDED_REQUEST_HEADERS}
+    out[REQUEST_ID_HEADER] = rid
+    return out
+
+
+def client_headers(
+    upstream: Mapping[str, str] | Iterable[tuple[str, str]],
+) -> list[tuple[str, str]]:
+    """Upstream response headers that may reach the client, in their original order."""
+    items = upstream.items() if isinstance(upstream, Mapping) else upstream
+    return [(k, v) for k, v in items if k.lower() not in DROPPED_RESPONSE_HEADERS]

@@ -1,0 +1,77 @@
+"""The background greenlet that probes every instance's ``/health`` (R5).
+
+Started by the server (a gunicorn hook, or a test fixture), never by the app factory. The
+first round runs at once so a new worker learns about dead instances before it has routed
+much traffic to them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import gevent
+import gevent.pool
+
+from epd_flask.errors import ProxyError
+from epd_flask.registry import InstanceState, Registry
+from epd_flask.roster import Settings
+from epd_flask.transport import Transport
+
+logger = logging.getLogger(__name__)
+
+PROBE_CONCURRENCY = 32
+
+
+class Prober:
+    def __init__(self, registry: Registry, transport: Transport,
+                 settings: Callable[[], Settings]) -> None:
+        self.registry = registry
+        self.transport = transport
+        self.settings = settings
+        self._greenlet: gevent.Greenlet | None = None
+        self._pool = gevent.pool.Pool(PROBE_CONCURRENCY)
+
+    def start(self) -> None:
+        if self._greenlet is None or self._greenlet.dead:
+            self._greenlet = gevent.spawn(self._run)
+
+    def stop(self) -> None:
+        if self._greenlet is not None:
+            self._greenlet.kill(block=False)
+            self._greenlet = None
+
+    def probe_all(self) -> None:
+        self._pool.map(self.probe_one, self.registry.states())
+        self.registry.forget_expired()
+
+    def probe_one(self, state: InstanceState) -> bool:
+        url = state.instance.url
+        started = time.monotonic()
+        ok, reason = False, ""
+        try:
+            resp = self.transport.send(
+                "GET", url + "/health", stage="probe", headers={},
+                read_timeout=self.settings().probe_timeout, stream=False,
+            )
+            ok = resp.status_code == 200
+            reason = f"/health answered {resp.status_code}"
+            resp.close()
+        except ProxyError as err:
+            reason = err.message
+        state.last_probe_at = time.time()
+        state.last_probe_ok = ok
+        if ok:
+            self.registry.record_success(url, time.monotonic() - started)
+        else:
+            self.registry.record_failure(url, reason)
+        return ok
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self.probe_all()
+            except Exception:  # the loop must outlive any one bad round
+                logger.exception("probe round failed")
+            gevent.sleep(self.settings().probe_interval)

@@ -1,0 +1,125 @@
+"""Live or evicted: what this worker believes about each roster instance.
+
+Fed by active probes and by passive signals from real requests. State is per worker (each
+gunicorn worker probes for itself), keyed by URL so it survives a roster reload for every
+instance that is still listed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from epd_flask.roster import Instance
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class InstanceState:
+    instance: Instance
+    live: bool = True
+    failures: int = 0
+    evicted_at: float | None = None
+    last_probe_at: float | None = None
+    last_probe_ok: bool | None = None
+    last_latency: float | None = None
+    last_error: str | None = None
+    in_flight: int = 0
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+class Registry:
+    """Instances by URL with their health; eviction after ``fail_threshold`` failures in a row.
+
+    An evicted instance keeps being probed and rejoins on its first success; after
+    ``evicted_ttl`` seconds (0 = never) it is forgotten.
+    """
+
+    def __init__(
+        self, instances: Iterable[Instance], fail_threshold: int = 3, evicted_ttl: float = 0.0
+    ) -> None:
+        self.fail_threshold = fail_threshold
+        self.evicted_ttl = evicted_ttl
+        self._states: dict[str, InstanceState] = {}
+        self.replace(instances)
+
+    def replace(self, instances: Iterable[Instance]) -> None:
+        """Adopt a new roster, keeping health of instances that stay (same URL and role)."""
+        fresh: dict[str, InstanceState] = {}
+        for inst in instances:
+            old = self._states.get(inst.url)
+            if old is not None and old.instance.role == inst.role:
+                old.instance = inst
+                fresh[inst.url] = old
+            else:
+                fresh[inst.url] = InstanceState(inst)
+        self._states = fresh
+
+    def configure(self, fail_threshold: int, evicted_ttl: float) -> None:
+        self.fail_threshold = fail_threshold
+        self.evicted_ttl = evicted_ttl
+
+    def get(self, url: str) -> InstanceState | None:
+        return self._states.get(url)
+
+    def states(self) -> list[InstanceState]:
+        return list(self._states.values())
+
+    def instances(self, role: str | None = None) -> list[Instance]:
+        states = self._states.values()
+        return [s.instance for s in states if role is None or s.instance.role == role]
+
+    def live(self, role: str) -> list[Instance]:
+        return [s.instance for s in self._states.values() if s.live and s.instance.role == role]
+
+    def record_success(self, url: str, latency: float | None = None) -> None:
+        state = self._states.get(url)
+        if state is None:
+            return  # removed meanwhile: a late result must not resurrect it
+        if not state.live:
+            logger.info("instance %s (%s) rejoined", url, state.instance.role)
+        state.live = True
+        state.failures = 0
+        state.evicted_at = None
+        state.last_error = None
+        if latency is not None:
+            state.last_latency = latency
+
+    def record_failure(self, url: str, reason: str) -> None:
+        state = self._states.get(url)
+        if state is None:
+            return
+        state.failures += 1
+        state.last_error = reason
+        if state.live and state.failures >= self.fail_threshold:
+            state.live = False
+            state.evicted_at = time.monotonic()
+            logger.warning(
+                "instance %s (%s) evicted after %d consecutive failures: %s",
+                url, state.instance.role, state.failures, reason,
+            )
+
+    def forget_expired(self, now: float | None = None) -> list[str]:
+        """Drop instances evicted for longer than the TTL; returns their URLs."""
+        if self.evicted_ttl <= 0:
+            return []
+        now = time.monotonic() if now is None else now
+        gone = [
+            url for url, s in self._states.items()
+            if not s.live and s.evicted_at is not None and now - s.evicted_at > self.evicted_ttl
+        ]
+        for url in gone:
+            logger.warning("instance %s forgotten after %.0f s evicted", url, self.evicted_ttl)
+            del self._states[url]
+        return gone
+
+    def snapshot(self) -> dict[str, dict[str, list[str]]]:
+        """Per role, the live and evicted URLs (the /health body)."""
+        out: dict[str, dict[str, list[str]]] = {}
+        for s in self._states.values():
+            bucket = out.setdefault(s.instance.role, {"live": [], "evicted": []})
+            bucket["live" if s.live else "evicted"].append(s.instance.url)
+        return out

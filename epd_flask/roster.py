@@ -1,0 +1,188 @@
+"""The roster: which instances exist, in which role, and the fleet-wide settings.
+
+Schema, loading and validation of ``etc/roster.yaml``. Imported by the gunicorn master, so it
+stays light (pydantic and PyYAML only, nothing that opens sockets or loads ``ssl``) and imports
+nothing of ours. ``epd-flask-check-roster FILE`` validates a file without starting anything.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections import Counter
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+DEFAULT_ROSTER_PATH = "etc/roster.yaml"
+ROSTER_ENV = "EPD_ROSTER"
+
+Role = Literal["encode", "prefill", "decode", "prefill_decode"]
+ROLES: tuple[str, ...] = ("encode", "prefill", "decode", "prefill_decode")
+ConnectorName = Literal["nixl", "none"]
+
+
+class RosterError(ValueError):
+    """A roster that must not be served; the message is written for the operator."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Instance(_Strict):
+    role: Role
+    url: str
+    dp_size: int = Field(default=1, ge=1, le=1024)
+    ec_zmq_addrs: tuple[str, ...] | None = None
+    bootstrap_url: str | None = None
+    kv_zmq_addr: str | None = None
+
+    @field_validator("url", "bootstrap_url")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        value = value.strip().rstrip("/")
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"must be an http:// or https:// URL with a host, got {value!r}")
+        if parts.query or parts.fragment:
+            raise ValueError(f"must not carry a query or fragment, got {value!r}")
+        return value
+
+
+class Settings(_Strict):
+    """Fleet-wide behaviour; every value has a default an operator can start from."""
+
+    connector: ConnectorName = "nixl"
+    decode_retries: int = Field(default=1, ge=0, le=10)
+    probe_interval: float = Field(default=5.0, gt=0, le=3600)
+    probe_timeout: float = Field(default=2.0, gt=0, le=600)
+    fail_threshold: int = Field(default=3, ge=1, le=100)
+    evicted_ttl: float = Field(default=0.0, ge=0)
+    encoder_max_batch_size: int = Field(default=0, ge=0)
+    rewrite_media: bool = True
+    connect_timeout: float = Field(default=3.0, gt=0, le=600)
+    prefill_timeout: float = Field(default=600.0, gt=0)
+    decode_timeout: float = Field(default=600.0, gt=0)
+
+
+class Roster(_Strict):
+    settings: Settings = Settings()
+    instances: tuple[Instance, ...] = ()
+
+    def by_role(self, role: str) -> list[Instance]:
+        return [i for i in self.instances if i.role == role]
+
+    @property
+    def combined(self) -> bool:
+        """True when decode work goes to prefill_decode instances (no separate prefill)."""
+        return any(i.role == "prefill_decode" for i in self.instances)
+
+
+def check_rules(roster: Roster) -> None:
+    """The cross-instance rules a schema cannot express (catalogue R1/R2)."""
+    urls = Counter(i.url for i in roster.instances)
+    dupes = sorted(u for u, n in urls.items() if n > 1)
+    if dupes:
+        raise RosterError(
+            f"instance {dupes[0]} is listed more than once; an instance is identified by its "
+            "URL, so list it once with a single role"
+        )
+    roles = {i.role for i in roster.instances}
+    if "prefill_decode" in roles and roles & {"prefill", "decode"}:
+        raise RosterError(
+            "prefill_decode instances cannot be mixed with standalone prefill/decode instances "
+            "in one roster; use either combined (prefill_decode) or split (prefill + decode)"
+        )
+    for inst in roster.instances:
+        if inst.ec_zmq_addrs is not None and len(inst.ec_zmq_addrs) != inst.dp_size:
+            raise RosterError(
+                f"instance {inst.url}: ec_zmq_addrs has {len(inst.ec_zmq_addrs)} entries but "
+                f"dp_size is {inst.dp_size}; give exactly one address per data-parallel replica"
+            )
+
+
+def parse(doc: Any, source: str = "<roster>") -> Roster:
+    """Validate a parsed YAML document; errors name the source, the instance and the field."""
+    if doc is None:
+        doc = {}
+    if not isinstance(doc, dict):
+        raise RosterError(f"{source}: the top level must be a mapping with 'instances' and "
+                          f"optional 'settings', got {type(doc).__name__}")
+    try:
+        roster = Roster.model_validate(doc)
+    except ValidationError as exc:
+        raise RosterError(
+            f"{source}: " + "; ".join(_describe(e, doc) for e in exc.errors())
+        ) from None
+    try:
+        check_rules(roster)
+    except RosterError as exc:
+        raise RosterError(f"{source}: {exc}") from None
+    return roster
+
+
+def load(path: str | os.PathLike[str]) -> Roster:
+    source = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise RosterError(f"{source}: cannot read roster file: {exc.strerror or exc}") from None
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise RosterError(f"{source}: not valid YAML: {exc}") from None
+    return parse(doc, source)
+
+
+def roster_path(environ: dict[str, str] | None = None) -> str:
+    env = os.environ if environ is None else environ
+    return env.get(ROSTER_ENV) or DEFAULT_ROSTER_PATH
+
+
+def _describe(error: Any, doc: dict[str, Any]) -> str:
+    loc = list(error.get("loc", ()))
+    where = ".".join(str(p) for p in loc) or "roster"
+    if len(loc) >= 2 and loc[0] == "instances" and isinstance(loc[1], int):
+        where = f"instances[{loc[1]}]"
+        instances = doc.get("instances")
+        if isinstance(instances, list) and loc[1] < len(instances):
+            entry = instances[loc[1]]
+            if isinstance(entry, dict) and entry.get("url"):
+                where += f" ({entry['url']})"
+        field = ".".join(str(p) for p in loc[2:])
+        if field:
+            where += f" field {field!r}"
+    elif loc and loc[0] == "settings" and len(loc) > 1:
+        where = f"settings field {'.'.join(str(p) for p in loc[1:])!r}"
+    message = error.get("msg", "invalid")
+    if error.get("type") == "extra_forbidden":
+        message = "unknown key (check the spelling; unknown keys are not ignored)"
+    return f"{where}: {message}"
+
+
+def main(argv: Iterable[str] | None = None) -> int:
+    """Validate roster files for CI pipelines and before a reload; exit 0 when all are good."""
+    args = list(sys.argv[1:] if argv is None else argv) or [roster_path()]
+    status = 0
+    for path in args:
+        try:
+            roster = load(path)
+        except RosterError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            status = 1
+            continue
+        counts = Counter(i.role for i in roster.instances)
+        summary = ", ".join(f"{counts[r]} {r}" for r in ROLES if counts[r]) or "no instances"
+        print(f"ok: {path}: {summary}; connector {roster.settings.connector}")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""Real processes: simulators started with the console entry point, gunicorn with the gevent
+worker exactly as operators run it, all on free loopback ports, all stopped afterwards."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+import yaml
+
+from tests.helpers import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+START_TIMEOUT = 20.0
+
+
+class Process:
+    def __init__(self, argv: list[str], url: str, env: dict[str, str] | None = None,
+                 cwd: Path = ROOT, log: Path | None = None) -> None:
+        self.url = url
+        self.log = log
+        out = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115
+        self.proc = subprocess.Popen(argv, cwd=cwd, env={**os.environ, **(env or {})},
+                                     stdout=out, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def wait_up(self, path: str = "/health") -> None:
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.url} exited early: {self.tail()}")
+            try:
+                if requests.get(self.url + path, timeout=1).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"{self.url} not up after {START_TIMEOUT} s: {self.tail()}")
+
+    def stats(self) -> dict[str, Any]:
+        return requests.get(self.url + "/sim/stats", timeout=5).json()
+
+    def control(self, what: str, **doc: Any) -> None:
+        requests.post(self.url + f"/sim/{what}", json=doc, timeout=5).raise_for_status()
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:] if self.log and self.log.exists() \
+            else ""
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[dict[str, Callable[..., Process]]]:
+    started: list[Process] = []
+
+    def sim(role: str, *args: str) -> Process:
+        port = free_port()
+        p = Process([sys.executable, "-m", "epd_flask.sim.cli", "--role", role,
+                     "--port", str(port), *args], f"http://127.0.0.1:{port}",
+                    log=tmp_path / f"sim-{role}-{port}.log")
+        started.append(p)
+        p.wait_up()
+        return p
+
+    def gunicorn(roster: dict[str, Any], *args: str, workers: int = 1,
+                 env: dict[str, str] | None = None) -> Process:
+        port = free_port()
+        roster_file = tmp_path / f"roster-{port}.yaml"
+        roster_file.write_text(yaml.safe_dump(roster))
+        p = Process([sys.executable, "-m", "gunicorn", *args, "wsgi:app"],
+                    f"http://127.0.0.1:{port}", log=tmp_path / f"gunicorn-{port}.log",
+                    env={"EPD_ROSTER": str(roster_file), "PORT": str(port),
+                         "EPD_WORKERS": str(workers), **(env or {})})
+        started.append(p)
+        p.wait_up()
+        return p
+
+    yield {"sim": sim, "gunicorn": gunicorn}
+    for p in reversed(started):
+        p.stop()

@@ -1,0 +1,51 @@
+"""Small helpers the serving and end-to-end tests share."""
+
+from __future__ import annotations
+
+import json
+import socket
+from typing import Any
+from urllib.parse import urlsplit
+
+
+def pd_roster(prefills: list[Any], decodes: list[Any], **settings: Any) -> dict[str, Any]:
+    instances = [{"role": "prefill", "url": p.url} for p in prefills]
+    instances += [{"role": "decode", "url": d.url} for d in decodes]
+    return {"settings": settings, "instances": instances}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RawStream:
+    """A streaming POST on a plain socket, so a test can hang up exactly like a client that
+    goes away (no library keeps the connection alive behind our back)."""
+
+    def __init__(self, base_url: str, path: str, body: dict[str, Any], timeout: float = 10):
+        parts = urlsplit(base_url)
+        payload = json.dumps(body).encode()
+        self.sock = socket.create_connection((parts.hostname, parts.port), timeout=timeout)
+        self.sock.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        self.buffer = b""
+
+    def read_until(self, marker: bytes) -> bytes:
+        while marker not in self.buffer:
+            data = self.sock.recv(65536)
+            if not data:
+                raise ConnectionError("stream ended before " + marker.decode())
+            self.buffer += data
+        return self.buffer
+
+    def first_event(self) -> bytes:
+        """Read headers and the first SSE event."""
+        self.read_until(b"\r\n\r\n")
+        return self.read_until(b"data: ")
+
+    def hang_up(self) -> None:
+        self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
