@@ -1,0 +1,232 @@
+"""The sim's WSGI application: routes vLLM's endpoints and the control surface, and carries a
+completion request through faults, validation, the role and the response (JSON or stream).
+
+Plain WSGI rather than Flask: in zero-latency mode the sim must never be a benchmark's
+bottleneck, and every layer between the socket and the SSE writes costs CPU on that path.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from . import control, errors, pacing, roles, stream, validate, wire
+from .httpio import (
+    SSE_HEADERS,
+    StartResponse,
+    WSGIResult,
+    empty_response,
+    json_response,
+    read_body,
+    request_headers,
+    status_line,
+)
+from .state import SimState
+
+logger = logging.getLogger(__name__)
+
+#: Longest an injected hang or a dying engine's request is held open, client or not.
+HANG_CAP_SECONDS = 600.0
+RECORDED_RAW_BODY_CHARS = 2048
+DP_RANK_HEADER = "HTTP_X_DATA_PARALLEL_RANK"
+
+Handler = Callable[["SimApp", dict[str, Any], StartResponse], WSGIResult]
+
+
+class SimApp:
+    """One sim server's WSGI callable; all of its memory lives in ``state``."""
+
+    def __init__(self, state: SimState) -> None:
+        self.state = state
+
+    def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> WSGIResult:
+        path = environ.get("PATH_INFO") or "/"
+        methods = ROUTES.get(path)
+        if methods is None:
+            self._note(environ, path, None)
+            return json_response(start_response, 404, errors.NOT_FOUND)
+        handler = methods.get(environ["REQUEST_METHOD"])
+        if handler is None:
+            self._note(environ, path, None)
+            allow = ", ".join(methods)
+            return json_response(start_response, 405, errors.METHOD_NOT_ALLOWED,
+                                 [("allow", allow)])
+        return handler(self, environ, start_response)
+
+    # -- bookkeeping ------------------------------------------------------------------------
+
+    def _note(self, environ: dict[str, Any], path: str, body: Any, raw: bytes = b"") -> None:
+        """Count the request and keep it in the record (control and probe traffic aside)."""
+        if path.startswith("/sim/"):
+            return
+        self.state.count_path(path)
+        if path == "/health" and not self.state.config.record_health:
+            return
+        entry = {
+            "time": time.time(),
+            "method": environ["REQUEST_METHOD"],
+            "path": path,
+            "query": environ.get("QUERY_STRING", ""),
+            "headers": request_headers(environ),
+            "body": body,
+        }
+        if body is None and raw:
+            entry["body_raw"] = raw[:RECORDED_RAW_BODY_CHARS].decode("utf-8", "replace")
+        self.state.record(entry)
+
+    # -- vLLM's endpoints -------------------------------------------------------------------
+
+    def health(self, environ: dict[str, Any], start_response: StartResponse) -> WSGIResult:
+        self._note(environ, "/health", None)
+        self.state.count("health_checks")
+        return empty_response(start_response, 200 if self.state.healthy else 503)
+
+    def version(self, environ: dict[str, Any], start_response: StartResponse) -> WSGIResult:
+        self._note(environ, "/version", None)
+        return json_response(start_response, 200, wire.version())
+
+    def models(self, environ: dict[str, Any], start_response: StartResponse) -> WSGIResult:
+        self._note(environ, "/v1/models", None)
+        cfg = self.state.config
+        return json_response(start_response, 200, wire.models_list(cfg.model, cfg.max_model_len))
+
+    def completion(self, environ: dict[str, Any], start_response: StartResponse) -> WSGIResult:
+        path = environ["PATH_INFO"]
+        raw = read_body(environ)
+        body: dict[str, Any] | None = None
+        parse_error: errors.SimError | None = None
+        try:
+            body = validate.parse_body(raw, environ.get("CONTENT_TYPE", ""))
+        except errors.SimError as exc:
+            parse_error = exc
+        self._note(environ, path, body, raw)
+        state = self.state
+        state.count("completions")
+        state.enter()
+        handed_off = False
+        try:
+            result = self._complete(environ, start_response, path, body, parse_error)
+            handed_off = isinstance(result, stream.StreamBody)
+            return result
+        finally:
+            if not handed_off:
+                state.leave()
+
+    # -- one completion request -------------------------------------------------------------
+
+    def _complete(
+        self, environ: dict[str, Any], start_response: StartResponse, path: str,
+        body: dict[str, Any] | None, parse_error: errors.SimError | None,
+    ) -> WSGIResult:
+        state = self.state
+        sock = environ.get("sim.socket")
+        if state.engine_dead:
+            return self._error(start_response, errors.engine_dead())
+        fail_status = state.take_fail()
+        if fail_status is not None:
+            return json_response(start_response, fail_status,
+                                 errors.injected_failure(fail_status).body())
+        if state.take_hang():
+            return self._hang(sock, start_response)
+        try:
+            if parse_error is not None:
+                raise parse_error
+            assert body is not None
+            cfg = state.config
+            req = validate.parse_request(path, body, cfg.model, cfg.max_model_len)
+            rank = self._dp_rank(environ)
+            answer = roles.answer(req, state, rank)
+        except errors.SimError as exc:
+            return self._error(start_response, exc)
+        except roles.IncompleteHandle as exc:
+            # Real vLLM: "Got invalid KVTransferParams", the request hangs, and when the client
+            # gives up the EngineCore dies on a KeyError (/health 503, process gone).
+            logger.warning("decode got incomplete kv_transfer_params %s; hanging", exc)
+            result = self._hang(sock, start_response)
+            state.engine_dead = True
+            return result
+        cfg = state.config
+        fp = wire.fingerprint(state.engine_id)
+        if req.stream:
+            events = stream.plan_events(
+                answer, chat=req.chat, include_usage=req.include_usage, model=cfg.model,
+                fingerprint=fp, ttft=cfg.ttft, token_delay=cfg.token_delay)
+            drop_after = state.take_drop()
+            start_response(status_line(200), list(SSE_HEADERS))
+            return stream.StreamBody(events, state, sock, drop_after,
+                                     environ.get("sim.flush_headers"))
+        steps = max((len(p) for p in answer.pieces), default=0)
+        if pacing.wait_or_gone(sock, cfg.ttft + cfg.token_delay * max(steps - 1, 0)):
+            state.abort(stream=False)
+            pacing.hang_up(sock)
+            return json_response(start_response, 499, {"error": "client gone"})
+        build = wire.chat_response if req.chat else wire.completion_response
+        return json_response(start_response, 200, build(
+            request_id=answer.request_id,
+            created=int(time.time()),
+            model=cfg.model,
+            texts=["".join(p) for p in answer.pieces],
+            finish_reasons=answer.finish_reasons,
+            fingerprint=fp,
+            usage=wire.usage(answer.prompt_tokens, answer.completion_tokens,
+                             answer.cached_tokens),
+            kv_transfer_params=answer.kv_transfer_params,
+            ec_transfer_params=answer.ec_transfer_params,
+        ))
+
+    def _dp_rank(self, environ: dict[str, Any]) -> int:
+        raw = environ.get(DP_RANK_HEADER)
+        if raw is None:
+            return 0
+        dp_size = self.state.config.dp_size
+        try:
+            rank = int(raw)
+        except ValueError:
+            rank = -1
+        if not 0 <= rank < dp_size:
+            raise errors.bad_request(
+                f"data_parallel_rank {raw} is out of range [0, {dp_size}).", None)
+        self.state.count_rank(rank)
+        return rank
+
+    def _error(self, start_response: StartResponse, exc: errors.SimError) -> WSGIResult:
+        self.state.count("errors")
+        return json_response(start_response, exc.status, exc.body())
+
+    def _hang(self, sock: Any | None, start_response: StartResponse) -> WSGIResult:
+        """Answer nothing until the client leaves (or the cap passes), then cut the line."""
+        if pacing.wait_or_gone(sock, HANG_CAP_SECONDS):
+            self.state.abort(stream=False)
+        else:
+            logger.warning("hung request still open after %.0f s; closing it", HANG_CAP_SECONDS)
+        pacing.hang_up(sock)
+        return empty_response(start_response, 500)
+
+    # -- the control surface ----------------------------------------------------------------
+
+    def sim(self, environ: dict[str, Any], start_response: StartResponse) -> WSGIResult:
+        handler = CONTROL[environ["PATH_INFO"]]
+        return handler(self.state, environ, start_response)
+
+
+CONTROL = {
+    "/sim/stats": control.stats,
+    "/sim/requests": control.requests,
+    "/sim/config": control.config,
+    "/sim/faults": control.faults,
+    "/sim/reset": control.reset,
+}
+ROUTES: dict[str, dict[str, Handler]] = {
+    "/health": {"GET": SimApp.health},
+    "/version": {"GET": SimApp.version},
+    "/v1/models": {"GET": SimApp.models},
+    validate.COMPLETIONS_PATH: {"POST": SimApp.completion},
+    validate.CHAT_PATH: {"POST": SimApp.completion},
+    "/sim/stats": {"GET": SimApp.sim},
+    "/sim/requests": {"GET": SimApp.sim},
+    "/sim/config": {"GET": SimApp.sim, "POST": SimApp.sim},
+    "/sim/faults": {"GET": SimApp.sim, "POST": SimApp.sim},
+    "/sim/reset": {"POST": SimApp.sim},
+}

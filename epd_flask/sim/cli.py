@@ -1,0 +1,105 @@
+"""``epd-flask-sim``: run one simulated vLLM server in the foreground until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+
+import gevent
+
+from .config import EC_METADATA_MODES, ROLES, SimConfig
+from .server import SimServer
+
+logger = logging.getLogger(__name__)
+
+MS = 1000.0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="epd-flask-sim",
+        description="A simulated vLLM 0.32 OpenAI server (no GPU) in an EPD role. Runtime "
+        "control: GET /sim/stats, GET /sim/requests?limit=N, POST /sim/config, "
+        "POST /sim/faults, POST /sim/reset.",
+    )
+    p.add_argument("--role", choices=ROLES, default="prefill_decode",
+                   help="what the server plays: encoder-only, KV producer, KV consumer or a "
+                   "plain server (default: %(default)s)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000,
+                   help="port to bind; 0 picks a free one (default: %(default)s)")
+    p.add_argument("--model", default="tiny-llama",
+                   help="served model name; other names get vLLM's 404 (default: %(default)s)")
+    p.add_argument("--max-model-len", type=int, default=512,
+                   help="context length; longer requests get vLLM's 400 (default: %(default)s)")
+    p.add_argument("--ttft-ms", type=float, default=0.0,
+                   help="milliseconds before the first token (default: %(default)s)")
+    p.add_argument("--token-delay-ms", type=float, default=0.0,
+                   help="milliseconds between tokens (default: %(default)s)")
+    p.add_argument("--output-tokens", type=int, default=16,
+                   help="tokens in a full answer; max_tokens cuts it (default: %(default)s)")
+    p.add_argument("--secret", default="epd-sim",
+                   help="fleet secret that signs KV handles; prefill and decode must share it "
+                   "(default: %(default)s)")
+    p.add_argument("--engine-id", default=None,
+                   help="engine id; default: a new uuid4 on every start, as real vLLM")
+    p.add_argument("--dp-size", type=int, default=1,
+                   help="data-parallel ranks; x-data-parallel-rank must be below it "
+                   "(default: %(default)s)")
+    p.add_argument("--bootstrap-port", type=int, default=None,
+                   help="prefill only: run a Mooncake bootstrap server (GET /query) on this "
+                   "port (0: any free port) and imitate MooncakeConnector instead of NIXL")
+    p.add_argument("--ec-metadata", choices=EC_METADATA_MODES, default="grid",
+                   help="encoder metadata per item: a plausible image grid, or {} as real "
+                   "LLaVA sends (default: %(default)s)")
+    p.add_argument("--record-limit", type=int, default=200,
+                   help="recent requests kept for GET /sim/requests (default: %(default)s)")
+    p.add_argument("--fail-next", type=int, default=0,
+                   help="fail the first N completion requests with HTTP 500")
+    p.add_argument("--health-fail", action="store_true",
+                   help="start unhealthy: GET /health answers 503")
+    p.add_argument("--log-level", default="INFO",
+                   help="logging level (default: %(default)s)")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    return SimConfig(
+        role=args.role, host=args.host, port=args.port, model=args.model,
+        max_model_len=args.max_model_len, ttft=args.ttft_ms / MS,
+        token_delay=args.token_delay_ms / MS, output_tokens=args.output_tokens,
+        secret=args.secret, engine_id=args.engine_id, dp_size=args.dp_size,
+        bootstrap_port=args.bootstrap_port, record_limit=args.record_limit,
+        ec_metadata=args.ec_metadata,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        print(f"epd-flask-sim: {exc}", file=sys.stderr)
+        return 2
+    server = SimServer(config)
+    server.state.inject(fail_next=args.fail_next, health_fail=args.health_fail)
+    try:
+        server.start()
+    except OSError as exc:
+        print(f"epd-flask-sim: cannot listen: {exc}", file=sys.stderr)
+        return 1
+    print(f"epd-flask-sim {config.role} on {server.url}"
+          + (f" (bootstrap {server.bootstrap_url})" if server.bootstrap_url else ""),
+          flush=True)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        gevent.signal_handler(signum, server.stop)
+    server.serve_forever()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

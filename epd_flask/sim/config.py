@@ -1,0 +1,113 @@
+"""What one simulated vLLM server is (role, model, fleet secret) and how it behaves
+(latency, sizes).
+
+Only the knobs listed in ``LIVE_KNOBS`` may change while the server runs; the rest define the
+server's identity and would make its earlier answers lie (a new engine id, a new port).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+ROLES = ("encode", "prefill", "decode", "prefill_decode")
+EC_METADATA_MODES = ("grid", "empty")
+VLLM_VERSION = "0.32.0"
+DEFAULT_MODEL = "tiny-llama"
+DEFAULT_SECRET = "epd-sim"
+DEFAULT_SIDE_CHANNEL_PORT = 5600
+
+#: Knobs that ``SimState.configure`` and ``POST /sim/config`` may change on a running server.
+LIVE_KNOBS = frozenset(
+    {"ttft", "token_delay", "output_tokens", "max_model_len", "ec_metadata", "model",
+     "record_health"}
+)
+
+
+@dataclass
+class SimConfig:
+    """Everything that shapes one simulated server; ``SimServer`` copies it before starting."""
+
+    role: str = "prefill_decode"
+    host: str = "127.0.0.1"
+    port: int = 0
+    model: str = DEFAULT_MODEL
+    max_model_len: int = 512
+    ttft: float = 0.0
+    token_delay: float = 0.0
+    output_tokens: int = 16
+    secret: str = DEFAULT_SECRET
+    # None: a fresh uuid4 every time a SimServer is built, as a restarted vLLM gets one.
+    engine_id: str | None = None
+    dp_size: int = 1
+    # None: no Mooncake bootstrap server; 0: one on an ephemeral port.
+    bootstrap_port: int | None = None
+    record_limit: int = 200
+    # "grid": plausible image_grid_thw metadata; "empty": {} like real LLaVA.
+    ec_metadata: str = "grid"
+    side_channel_port: int = DEFAULT_SIDE_CHANNEL_PORT
+    # Probes would otherwise flood the bounded request record and push out completions.
+    record_health: bool = False
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.dp_size < 1:
+            raise ValueError(f"dp_size must be >= 1, got {self.dp_size}")
+        if self.record_limit < 0:
+            raise ValueError(f"record_limit must be >= 0, got {self.record_limit}")
+        for name in LIVE_KNOBS:
+            setattr(self, name, coerce_knob(name, getattr(self, name)))
+
+    @property
+    def kv_connector(self) -> str:
+        """Which KV connector the sim imitates: a bootstrap server means Mooncake, else NIXL."""
+        return "mooncake" if self.bootstrap_port is not None else "nixl"
+
+    def with_engine_id(self) -> SimConfig:
+        """A copy whose engine id is fixed, so a restart (new SimServer) gets a new one."""
+        return dataclasses.replace(self, engine_id=self.engine_id or str(uuid.uuid4()))
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _non_negative_float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value!r}")
+    return float(value)
+
+
+def _int_at_least(name: str, value: Any, floor: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < floor:
+        raise ValueError(f"{name} must be >= {floor}, got {value!r}")
+    return value
+
+
+def coerce_knob(name: str, value: Any) -> Any:
+    """Check one live knob's value; raises ValueError with a message fit for an HTTP 400."""
+    if name in ("ttft", "token_delay"):
+        return _non_negative_float(name, value)
+    if name == "output_tokens":
+        return _int_at_least(name, value, 0)
+    if name == "max_model_len":
+        return _int_at_least(name, value, 1)
+    if name == "ec_metadata":
+        if value not in EC_METADATA_MODES:
+            raise ValueError(f"ec_metadata must be one of {', '.join(EC_METADATA_MODES)}")
+        return value
+    if name == "model":
+        if not isinstance(value, str) or not value:
+            raise ValueError("model must be a non-empty string")
+        return value
+    if name == "record_health":
+        if not isinstance(value, bool):
+            raise ValueError("record_health must be a boolean")
+        return value
+    raise ValueError(f"unknown or not live-changeable knob {name!r}")

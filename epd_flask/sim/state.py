@@ -1,0 +1,197 @@
+"""Everything a running sim remembers: live knobs, armed faults, counters and the recent
+requests. Tests and the HTTP control surface read and change the server through this one object.
+
+All callers run in greenlets of one hub, and no method here yields, so no locking is needed.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+import uuid
+from collections import Counter, deque
+from typing import Any
+
+from .config import LIVE_KNOBS, SimConfig, coerce_knob
+from .kvcache import BlockAllocator, PrefixCache
+
+DEFAULT_FAIL_STATUS = 500
+#: Distinct paths counted one by one; a scanner's random paths end up under "other".
+MAX_COUNTED_PATHS = 256
+COUNTERS = (
+    "completions",
+    "streams_started",
+    "streams_completed",
+    "streams_aborted",
+    "streams_dropped",
+    "requests_aborted",
+    "errors",
+    "failed_injected",
+    "hung_injected",
+    "in_flight",
+    "max_in_flight",
+    "kv_handles_valid",
+    "kv_handles_invalid",
+    "kv_handles_absent",
+    "kv_handles_incomplete",
+    "kv_handles_mooncake",
+    "kv_handles_issued",
+    "prefix_cached_tokens",
+    "items_encoded",
+    "ec_params_received",
+    "health_checks",
+)
+FAULTS = ("fail_next", "fail_status", "drop_after", "hang_next", "health_fail")
+
+
+def _fresh_faults() -> dict[str, Any]:
+    return {"fail_next": 0, "fail_status": DEFAULT_FAIL_STATUS, "drop_after": None,
+            "hang_next": 0, "health_fail": False}
+
+
+class SimState:
+    """The live state of one ``SimServer``."""
+
+    def __init__(self, config: SimConfig) -> None:
+        self.config = config.with_engine_id()
+        self.engine_id: str = self.config.engine_id  # type: ignore[assignment]
+        # Rank 0 is the server's own engine id; other DP ranks get their own, new per start.
+        self.rank_engine_ids = [self.engine_id] + [
+            str(uuid.uuid4()) for _ in range(self.config.dp_size - 1)]
+        self.started_at = time.time()
+        self.prefix_cache = PrefixCache()
+        self.blocks = BlockAllocator()
+        self._records: deque[dict[str, Any]] = deque(maxlen=self.config.record_limit)
+        self.reset()
+
+    # -- the public API ---------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """A snapshot (a copy: safe to keep and compare with a later one)."""
+        out: dict[str, Any] = dict(self._counters)
+        out["requests"] = dict(self._paths)
+        out["dp_ranks"] = dict(self._ranks)
+        out["last_abort_at"] = self.last_abort_at
+        out["engine_dead"] = self.engine_dead
+        out["healthy"] = self.healthy
+        out["role"] = self.config.role
+        out["engine_id"] = self.engine_id
+        out["faults"] = dict(self.faults)
+        return out
+
+    def configure(self, **knobs: Any) -> dict[str, Any]:
+        """Change live knobs (see ``config.LIVE_KNOBS``); all or nothing. Returns the config."""
+        checked = {}
+        for name, value in knobs.items():
+            if name not in LIVE_KNOBS:
+                raise ValueError(f"unknown or not live-changeable knob {name!r}; "
+                                 f"live knobs: {', '.join(sorted(LIVE_KNOBS))}")
+            checked[name] = coerce_knob(name, value)
+        for name, value in checked.items():
+            setattr(self.config, name, value)
+        return self.config.as_dict()
+
+    def inject(self, **faults: Any) -> dict[str, Any]:
+        """Arm faults (all or nothing). Counts replace, they do not add. Returns all faults."""
+        checked = {}
+        for name, value in faults.items():
+            if name in ("fail_next", "hang_next"):
+                checked[name] = _count(name, value)
+            elif name == "drop_after":
+                checked[name] = None if value is None else _count(name, value)
+            elif name == "fail_status":
+                if isinstance(value, bool) or not isinstance(value, int) \
+                        or not 400 <= value <= 599:
+                    raise ValueError("fail_status must be an integer in 400..599")
+                checked[name] = value
+            elif name == "health_fail":
+                if not isinstance(value, bool):
+                    raise ValueError("health_fail must be a boolean")
+                checked[name] = value
+            else:
+                raise ValueError(f"unknown fault {name!r}; faults: {', '.join(FAULTS)}")
+        self.faults.update(checked)
+        return dict(self.faults)
+
+    def requests(self, limit: int | None = None) -> list[dict[str, Any]]:
+        """The most recent recorded requests, newest last (deep copies)."""
+        records = list(self._records)
+        if limit is not None:
+            records = records[-limit:] if limit > 0 else []
+        return copy.deepcopy(records)
+
+    def reset(self) -> None:
+        """Forget faults, counters, records and cached blocks; revive a dead engine.
+
+        Knobs stay as configured: a test that slowed the server keeps it slow.
+        """
+        self.faults: dict[str, Any] = _fresh_faults()
+        self._counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
+        self._paths: Counter[str] = Counter()
+        self._ranks: Counter[str] = Counter()
+        self.last_abort_at: float | None = None
+        self.engine_dead = False
+        self._records.clear()
+        self.prefix_cache.clear()
+        self.blocks.reset()
+
+    # -- used by the app --------------------------------------------------------------------
+
+    @property
+    def healthy(self) -> bool:
+        return not (self.faults["health_fail"] or self.engine_dead)
+
+    def count(self, name: str, by: int = 1) -> None:
+        self._counters[name] += by
+
+    def count_path(self, path: str) -> None:
+        if path in self._paths or len(self._paths) < MAX_COUNTED_PATHS:
+            self._paths[path] += 1
+        else:
+            self._paths["other"] += 1
+
+    def count_rank(self, rank: int) -> None:
+        self._ranks[str(rank)] += 1
+
+    def record(self, entry: dict[str, Any]) -> None:
+        if self._records.maxlen:
+            self._records.append(entry)
+
+    def enter(self) -> None:
+        self._counters["in_flight"] += 1
+        if self._counters["in_flight"] > self._counters["max_in_flight"]:
+            self._counters["max_in_flight"] = self._counters["in_flight"]
+
+    def leave(self) -> None:
+        self._counters["in_flight"] -= 1
+
+    def abort(self, stream: bool) -> None:
+        self._counters["streams_aborted" if stream else "requests_aborted"] += 1
+        self.last_abort_at = time.time()
+
+    def take_fail(self) -> int | None:
+        """The status to fail this request with, if a ``fail_next`` is armed (consumes one)."""
+        if self.faults["fail_next"] > 0:
+            self.faults["fail_next"] -= 1
+            self._counters["failed_injected"] += 1
+            return self.faults["fail_status"]
+        return None
+
+    def take_hang(self) -> bool:
+        if self.faults["hang_next"] > 0:
+            self.faults["hang_next"] -= 1
+            self._counters["hung_injected"] += 1
+            return True
+        return False
+
+    def take_drop(self) -> int | None:
+        """Chunks the next stream may send before it is cut, if ``drop_after`` is armed."""
+        drop = self.faults["drop_after"]
+        self.faults["drop_after"] = None
+        return drop
+
+
+def _count(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer")
+    return value

@@ -1,0 +1,207 @@
+"""Prefill issues verifiable KV handles; decode judges the handles it gets as real vLLM would."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import requests
+
+from tests.sim.simclient import RawClient, load_sample, samples_available, shape, sse_events
+
+PROMPT = ("the quick brown fox jumps over the lazy dog and then tells me a story about cats "
+          "dogs and birds one two three four five six seven eight nine ten hello world")
+PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False,
+                  "remote_engine_id": None, "remote_block_ids": None, "remote_host": None,
+                  "remote_port": None}
+
+
+def _prefill(url: str, chat: bool = False, prompt: str = PROMPT, **extra) -> dict:
+    if chat:
+        path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}]}
+    else:
+        path, body = "/v1/completions", {"prompt": prompt}
+    body.update({"model": "tiny-llama", "max_tokens": 1, "stream": False,
+                 "kv_transfer_params": PREFILL_PARAMS, **extra})
+    resp = requests.post(url + path, json=body, timeout=5)
+    assert resp.status_code == 200
+    return resp.json()
+
+
+def _decode(url: str, params: dict | None, chat: bool = False, prompt: str = PROMPT,
+            **extra) -> requests.Response:
+    if chat:
+        path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}]}
+    else:
+        path, body = "/v1/completions", {"prompt": prompt}
+    body.update({"model": "tiny-llama", "max_tokens": 8, **extra})
+    if params is not None:
+        body["kv_transfer_params"] = params
+    return requests.post(url + path, json=body, timeout=5)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_prefill_handle_is_valid_on_decode(start_sim, chat):
+    p = start_sim(role="prefill")
+    d = start_sim(role="decode")
+    pre = _prefill(p.url, chat=chat)
+    params = pre["kv_transfer_params"]
+    assert pre["usage"]["completion_tokens"] == 1
+    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    assert params["remote_engine_id"] == p.state.engine_id
+    assert params["remote_host"] == "127.0.0.1"
+    assert params["remote_num_tokens"] == pre["usage"]["prompt_tokens"]
+    assert len(params["remote_block_ids"][0]) == -(-params["remote_num_tokens"] // 16)
+    rid = params["remote_request_id"]
+    assert rid.startswith(pre["id"] + ("-" if chat else "-0-"))
+    dec = _decode(d.url, params, chat=chat)
+    assert dec.status_code == 200
+    assert dec.json()["kv_transfer_params"] is None
+    stats = d.state.stats()
+    assert stats["kv_handles_valid"] == 1 and stats["kv_handles_invalid"] == 0
+    assert p.state.stats()["kv_handles_issued"] == 1
+    # Disaggregated text equals what one server answers, and starts with the prefill's token.
+    def text(body: dict) -> str:
+        choice = body["choices"][0]
+        return choice["message"]["content"] if chat else choice["text"]
+
+    single = start_sim(role="prefill_decode")
+    assert text(dec.json()) == text(_decode(single.url, None, chat=chat).json())
+    assert text(dec.json()).startswith(text(pre))
+
+
+@pytest.mark.skipif(not samples_available(), reason="captured vLLM samples not found")
+def test_prefill_response_shape_matches_nixl_capture(start_sim):
+    p = start_sim(role="prefill")
+    _, _, captured = load_sample("pd-nixl/03-completion-prefill")
+    assert shape(_prefill(p.url)) == shape(json.loads(captured))
+
+
+@pytest.mark.parametrize("tamper", [
+    lambda p: p.update(remote_num_tokens=p["remote_num_tokens"] + 1),
+    lambda p: p.update(remote_engine_id="0a9f1b60-0000-4000-8000-000000000000"),
+    lambda p: p.update(remote_request_id=p["remote_request_id"][:-1] + "x"),
+    lambda p: p.update(remote_request_id="cmpl-0123456789abcdef-0-00000000"),
+])
+def test_tampered_handle_is_invalid(start_sim, tamper):
+    p, d = start_sim(role="prefill"), start_sim(role="decode")
+    params = _prefill(p.url)["kv_transfer_params"]
+    tamper(params)
+    assert _decode(d.url, params).status_code == 200
+    assert d.state.stats()["kv_handles_invalid"] == 1
+
+
+def test_handle_for_another_prompt_is_invalid(start_sim):
+    p, d = start_sim(role="prefill"), start_sim(role="decode")
+    params = _prefill(p.url, prompt="a short prompt")["kv_transfer_params"]
+    _decode(d.url, params)  # the decode's own prompt is longer
+    assert d.state.stats()["kv_handles_invalid"] == 1
+
+
+def test_other_secret_makes_handles_invalid(start_sim):
+    p, d = start_sim(role="prefill", secret="a"), start_sim(role="decode", secret="b")
+    _decode(d.url, _prefill(p.url)["kv_transfer_params"])
+    assert d.state.stats()["kv_handles_invalid"] == 1
+
+
+def test_decode_without_params_recomputes(start_sim):
+    d = start_sim(role="decode")
+    assert _decode(d.url, None).status_code == 200
+    assert _decode(d.url, {"do_remote_decode": True}).status_code == 200
+    assert d.state.stats()["kv_handles_absent"] == 2
+
+
+def test_plain_server_ignores_kv_params(start_sim):
+    pd = start_sim(role="prefill_decode")
+    body = _prefill(pd.url)
+    assert body["kv_transfer_params"] is None
+    assert body["usage"]["completion_tokens"] == 1
+
+
+def test_prefill_without_remote_decode_answers_plainly(start_sim):
+    p = start_sim(role="prefill", output_tokens=4)
+    resp = requests.post(p.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 8},
+                         timeout=5).json()
+    assert resp["kv_transfer_params"] is None and resp["usage"]["completion_tokens"] == 4
+    assert p.state.stats()["kv_handles_issued"] == 0
+
+
+def test_streamed_prefill_sends_one_chunk_without_params(start_sim):
+    p = start_sim(role="prefill")
+    client = RawClient(p.url)
+    try:
+        client.send("POST", "/v1/completions",
+                    {"prompt": PROMPT, "max_tokens": 1, "stream": True,
+                     "kv_transfer_params": PREFILL_PARAMS})
+        events = client.read_response().events
+    finally:
+        client.close()
+    assert len(events) == 2 and events[-1] == "[DONE]"
+    assert "kv_transfer_params" not in events[0]
+    assert events[0]["choices"][0]["finish_reason"] == "length"
+    assert "system_fingerprint" in events[0]
+    if samples_available():
+        _, _, captured = load_sample("pd-nixl/13-prefill-stream-with-kv-params")
+        assert shape(events[0]) == shape(sse_events(captured)[0])
+
+
+def test_prefix_cache_reports_cached_blocks(start_sim):
+    p = start_sim(role="prefill")
+    first = _prefill(p.url)
+    assert first["kv_transfer_params"]["remote_prefill_cached_tokens"] == 0
+    assert first["usage"]["prompt_tokens_details"] is None
+    second = _prefill(p.url, prompt=PROMPT + " and again with more words")
+    cached = second["kv_transfer_params"]["remote_prefill_cached_tokens"]
+    assert cached > 0 and cached % 16 == 0
+    assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": cached}
+    assert cached < second["usage"]["prompt_tokens"]
+
+
+def test_incomplete_handle_hangs_then_kills_the_engine(start_sim, wait_for):
+    d = start_sim(role="decode")
+    bogus = {"do_remote_decode": False, "do_remote_prefill": True, "remote_engine_id": "nope",
+             "remote_block_ids": [0, 1], "remote_host": "127.0.0.1", "remote_port": 1,
+             "tp_size": 1}
+    client = RawClient(d.url, timeout=0.3)
+    client.send("POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 3,
+                                            "kv_transfer_params": bogus})
+    with pytest.raises(TimeoutError):
+        client.read_head()  # no answer while the client waits
+    assert d.state.stats()["kv_handles_incomplete"] == 1
+    assert requests.get(d.url + "/health", timeout=5).status_code == 200
+    client.close()
+    assert wait_for(lambda: requests.get(d.url + "/health", timeout=5).status_code == 503)
+    dead = _decode(d.url, None)
+    assert dead.status_code == 500 and dead.json()["error"]["code"] == 500
+    d.state.reset()
+    assert requests.get(d.url + "/health", timeout=5).status_code == 200
+
+
+def test_mooncake_prefill_and_decode(start_sim):
+    p = start_sim(role="prefill", bootstrap_port=0)
+    d = start_sim(role="decode")
+    pre = _prefill(p.url, kv_transfer_params={"do_remote_decode": True,
+                                              "do_remote_prefill": False,
+                                              "transfer_id": "xfer-1"})
+    assert pre["kv_transfer_params"] is None
+    query = requests.get(p.bootstrap_url + "/query", timeout=5).json()
+    params = {"do_remote_decode": False, "do_remote_prefill": True,
+              "remote_engine_id": query["0"]["engine_id"],
+              "remote_bootstrap_addr": p.bootstrap_url, "transfer_id": "xfer-1"}
+    assert _decode(d.url, params).status_code == 200
+    assert _decode(d.url, {**params, "remote_engine_id": "not-a-uuid"}).status_code == 200
+    stats = d.state.stats()
+    assert stats["kv_handles_mooncake"] == 1 and stats["kv_handles_invalid"] == 1
+
+
+def test_dp_rank_header(start_sim):
+    p = start_sim(role="prefill", dp_size=2)
+    body = {"prompt": PROMPT, "max_tokens": 1, "kv_transfer_params": PREFILL_PARAMS}
+    r1 = requests.post(p.url + "/v1/completions", json=body,
+                       headers={"x-data-parallel-rank": "1"}, timeout=5).json()
+    assert r1["kv_transfer_params"]["remote_engine_id"] == p.state.rank_engine_ids[1]
+    assert r1["kv_transfer_params"]["remote_engine_id"] != p.state.engine_id
+    bad = requests.post(p.url + "/v1/completions", json=body,
+                        headers={"x-data-parallel-rank": "2"}, timeout=5)
+    assert bad.status_code == 400
+    assert p.state.stats()["dp_ranks"] == {"1": 1}
