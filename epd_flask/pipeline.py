@@ -128,6 +128,7 @@ class Pipeline:
         return self._reply(resp, ctx, stream=bool(body.get("stream")))
 
     def _reply(self, resp: requests.Response, ctx: RequestContext, stream: bool) -> Reply:
+        ctx.status = resp.status_code
         headers = client_headers(resp.headers.items())
         headers.append((REQUEST_ID_HEADER, ctx.request_id))
         content_type = resp.headers.get("Content-Type", "")
