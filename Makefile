@@ -6,8 +6,9 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PORT ?= 8000
-PREFILL_PORT ?= 8100
-DECODE_PORT ?= 8200
+# The simulated fleet's ports are the ones etc/roster.yaml names.
+PREFILL_PORT := 8100
+DECODE_PORT := 8200
 TOKEN_DELAY_MS ?= 30
 EPD_ROSTER ?= etc/roster.yaml
 PYTEST_ARGS ?=
