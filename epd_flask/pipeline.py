@@ -18,7 +18,9 @@ import requests
 from epd_flask import relay
 from epd_flask.connectors import Connector
 from epd_flask.context import RequestContext
+from epd_flask.encode_stage import EncodeStage
 from epd_flask.errors import BackendError, BackendUnavailable, ProxyError
+from epd_flask.fanout import Fanout
 from epd_flask.headers import REQUEST_ID_HEADER, client_headers
 from epd_flask.registry import Registry
 from epd_flask.roster import Instance, Roster
@@ -45,6 +47,7 @@ class Pipeline:
         self.router = router
         self.transport = transport
         self.connector = connector
+        self.encode = EncodeStage(router, registry, Fanout(transport, registry))
 
     @property
     def decode_role(self) -> str:
@@ -90,12 +93,16 @@ class Pipeline:
         return self._reply(resp, ctx, stream=True)
 
     def _attempt(self, path: str, body: dict[str, Any], ctx: RequestContext) -> Reply:
+        # Every attempt encodes again from the client's body (P4): the consumer is chosen
+        # first because the encoders may have to push to it (R4).
         if self.roster.combined:
             target = self.router.pick("prefill_decode", exclude=frozenset(ctx.failed))
-            return self._open_decode(target, path, body, ctx)
+            staged = self.encode.run(body, ctx, target, self.roster.settings)
+            return self._open_decode(target, path, staged.body, ctx, staged.consumer_headers)
         # Decode is chosen first: with no decode alive, prefill work would be wasted.
         decode = self.router.pick("decode", exclude=frozenset(ctx.failed))
         prefill = self.router.pick("prefill", exclude=frozenset(ctx.failed))
+        body = self.encode.run(body, ctx, prefill, self.roster.settings).body
         answer = self._prefill(prefill, path, body, ctx)
         decode_body = self.connector.decode_body(body, answer, ctx.request_id)
         return self._open_decode(decode, path, decode_body, ctx)
@@ -118,11 +125,11 @@ class Pipeline:
         return answer if isinstance(answer, dict) else None
 
     def _open_decode(self, target: Instance, path: str, body: dict[str, Any],
-                     ctx: RequestContext) -> Reply:
+                     ctx: RequestContext, extra_headers: dict[str, str] | None = None) -> Reply:
         ctx.instances["decode"] = target.url
         started = time.monotonic()
         resp = self._post(target, "decode", path, body, ctx,
-                          self.roster.settings.decode_timeout)
+                          self.roster.settings.decode_timeout, extra_headers)
         self._check(resp, target, "decode", ctx)
         ctx.mark("decode_first_byte", started)
         return self._reply(resp, ctx, stream=bool(body.get("stream")))
@@ -147,8 +154,10 @@ class Pipeline:
         return Reply(resp.status_code, headers, data)
 
     def _post(self, target: Instance, stage: str, path: str, body: dict[str, Any],
-              ctx: RequestContext, read_timeout: float) -> requests.Response:
+              ctx: RequestContext, read_timeout: float,
+              extra_headers: dict[str, str] | None = None) -> requests.Response:
         headers = dict(ctx.upstream_headers)
+        headers.update(extra_headers or {})
         headers["Content-Type"] = "application/json"
         return self._send(target, stage, "POST", target.url + path, ctx, headers=headers,
                           body=encode_json(body), read_timeout=read_timeout)

@@ -66,6 +66,8 @@ class Settings(_Strict):
     fail_threshold: int = Field(default=3, ge=1, le=100)
     evicted_ttl: float = Field(default=0.0, ge=0)
     encoder_max_batch_size: int = Field(default=0, ge=0)
+    encoder_concurrency: int = Field(default=8, ge=1, le=1024)
+    encoder_timeout: float = Field(default=300.0, gt=0)
     rewrite_media: bool = True
     connect_timeout: float = Field(default=3.0, gt=0, le=600)
     prefill_timeout: float = Field(default=600.0, gt=0)
@@ -106,6 +108,29 @@ def check_rules(roster: Roster) -> None:
                 f"instance {inst.url}: ec_zmq_addrs has {len(inst.ec_zmq_addrs)} entries but "
                 f"dp_size is {inst.dp_size}; give exactly one address per data-parallel replica"
             )
+    check_ec_consumers(roster)
+
+
+def check_ec_consumers(roster: Roster) -> None:
+    """Encoders push Mooncake EC embeddings to one replica of the stage that runs the request
+    (R2/R4). Only a prefill_decode instance runs the whole request, so only E+PD can name that
+    replica safely; a mixed fleet would send some requests where no push was addressed."""
+    for inst in roster.instances:
+        if inst.ec_zmq_addrs is not None and inst.role != "prefill_decode":
+            raise RosterError(
+                f"instance {inst.url} ({inst.role}): ec_zmq_addrs (Mooncake EC consumer "
+                "addresses) are supported only on prefill_decode instances (E+PD); with "
+                "separate prefill and decode the pushed embeddings cannot be routed safely. "
+                "Remove ec_zmq_addrs or serve with prefill_decode instances"
+            )
+    consumers = roster.by_role("prefill_decode")
+    pushing = [i.url for i in consumers if i.ec_zmq_addrs is not None]
+    if pushing and len(pushing) != len(consumers):
+        missing = next(i.url for i in consumers if i.ec_zmq_addrs is None)
+        raise RosterError(
+            f"instance {missing}: every prefill_decode instance needs ec_zmq_addrs once one "
+            f"has them ({pushing[0]} does); encoders must know where each request runs"
+        )
 
 
 def parse(doc: Any, source: str = "<roster>") -> Roster:

@@ -25,6 +25,7 @@ class Router:
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
         self._cursors: dict[str, Iterator[int]] = {}
+        self._replicas: dict[str, Iterator[int]] = {}
 
     def pick(self, role: str, exclude: frozenset[str] = frozenset()) -> Instance:
         """The next live instance of ``role``, skipping URLs in ``exclude`` when others exist."""
@@ -34,6 +35,27 @@ class Router:
         n = next(self._cursor(role))
         preferred = [i for i in live if i.url not in exclude] or live
         return preferred[n % len(preferred)]
+
+    def pick_many(self, role: str, count: int) -> list[Instance]:
+        """``count`` instances in rotation order, e.g. one encoder per media item.
+
+        The cursor moves by ``count``, so the next request continues where this one stopped
+        instead of starting again at the first instance (R3).
+        """
+        live = self.registry.live(role)
+        if not live:
+            raise NoBackend(NO_BACKEND_MESSAGES.get(role, f"no live {role} instance"), stage=role)
+        cursor = self._cursor(role)
+        return [live[next(cursor) % len(live)] for _ in range(count)]
+
+    def next_replica(self, instance: Instance) -> int:
+        """The next data-parallel replica of ``instance``, round-robin per instance (R4)."""
+        if instance.dp_size <= 1:
+            return 0
+        cursor = self._replicas.get(instance.url)
+        if cursor is None:
+            cursor = self._replicas[instance.url] = itertools.count()
+        return next(cursor) % instance.dp_size
 
     def _cursor(self, role: str) -> Iterator[int]:
         cursor = self._cursors.get(role)

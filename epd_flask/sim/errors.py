@@ -117,6 +117,16 @@ def injected_failure(status: int) -> SimError:
     return SimError(status, f"Simulated failure (injected fault fail_next, status {status})")
 
 
+def embedding_missing(kind: str, key: str | None) -> SimError:
+    """A ``*_embeds`` reference whose embedding the EC connector cannot find."""
+    return SimError(
+        500,
+        f"No encoder output found for {kind} item with mm_hash {key}: the embedding was not "
+        "published or has expired.",
+        "InternalServerError",
+    )
+
+
 def engine_dead() -> SimError:
     return SimError(
         500,

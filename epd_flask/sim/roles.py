@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from . import errors, handles, media, textgen, wire
+from . import ecstore, errors, handles, media, textgen, wire
 from .state import SimState
 from .validate import Request
 
@@ -92,27 +92,54 @@ def _decode(req: Request, state: SimState, request_id: str) -> Answer:
 
 
 def _encode(req: Request, state: SimState, request_id: str) -> Answer:
-    items = media.extract_items(req.messages)
+    cfg = state.config
+    kwargs = req.body.get("mm_processor_kwargs")
+    items = media.extract_items(req.messages, kwargs)
+    answer = Answer(request_id=request_id, pieces=[[]], finish_reasons=["stop"],
+                    prompt_tokens=req.total_prompt_tokens)
     if not items:
-        raise errors.bad_request(
-            "This encoder-only server needs at least one multimodal item (image_url, "
-            "audio_url, input_audio or video_url) in the messages.", "messages")
+        return answer  # real vLLM: nothing to encode, nothing published, ec_transfer_params null
     state.count("items_encoded", len(items))
-    return Answer(
-        request_id=request_id,
-        pieces=[[]],
-        finish_reasons=["stop"],
-        prompt_tokens=req.total_prompt_tokens,
-        ec_transfer_params=media.ec_transfer_params(items, state.config.ec_metadata),
-    )
+    audio_in_video = isinstance(kwargs, dict) and bool(kwargs.get("use_audio_in_video"))
+    params = media.ec_transfer_params(items, cfg.ec_metadata, audio_in_video)
+    for key, entry in params.items():
+        ecstore.publish(cfg.secret, key, entry["metadata"])
+    push = req.body.get("ec_transfer_params")
+    if isinstance(push, dict) and push.get("consumer_zmq"):
+        state.count("ec_pushes", len(push.get("ec_items") or ()))
+    answer.ec_transfer_params = params
+    return answer
+
+
+def _find_embeddings(req: Request, state: SimState) -> None:
+    """What a language model with an EC connector does with a request's media: raw items found
+    in the store are used as published, others it encodes itself; a ``*_embeds`` reference
+    whose embedding cannot be found is an internal error (vLLM's retryable 500)."""
+    secret = state.config.secret
+    kwargs = req.body.get("mm_processor_kwargs")
+    for item in media.extract_items(req.messages, kwargs):
+        found, _ = ecstore.lookup(secret, item.key)
+        state.count("media_from_ec" if found else "media_encoded_locally")
+    for ref in media.extract_embeds(req.messages, kwargs):
+        found, published = ecstore.lookup(secret, ref.key)
+        if not found:
+            state.count("ec_embeds_unresolved")
+            raise errors.embedding_missing(ref.kind, ref.key)
+        state.count("ec_embeds_resolved" if ref.metadata == published
+                    else "ec_embeds_mismatched")
+    params = req.body.get("ec_transfer_params")
+    if isinstance(params, dict) and isinstance(params.get("ec_items"), list):
+        state.count("ec_items_received", len(params["ec_items"]))
 
 
 def answer(req: Request, state: SimState, rank: int) -> Answer:
     """Plan the answer for ``req`` on this server's role (``rank``: the DP rank it was sent to)."""
     role = state.config.role
     request_id = wire.new_id(req.chat)
-    if role != "encode" and req.body.get("ec_transfer_params"):
-        state.count("ec_params_received")
+    if role != "encode":
+        if req.body.get("ec_transfer_params"):
+            state.count("ec_params_received")
+        _find_embeddings(req, state)
     if role == "prefill":
         return _prefill(req, state, rank, request_id)
     if role == "decode":

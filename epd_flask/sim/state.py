@@ -38,7 +38,14 @@ COUNTERS = (
     "kv_handles_issued",
     "prefix_cached_tokens",
     "items_encoded",
+    "ec_pushes",
     "ec_params_received",
+    "ec_items_received",
+    "ec_embeds_resolved",
+    "ec_embeds_mismatched",
+    "ec_embeds_unresolved",
+    "media_from_ec",
+    "media_encoded_locally",
     "health_checks",
 )
 FAULTS = ("fail_next", "fail_status", "drop_after", "hang_next", "health_fail")

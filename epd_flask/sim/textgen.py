@@ -23,6 +23,10 @@ MEDIA_PLACEHOLDERS = {
     "audio_url": "<audio>",
     "input_audio": "<audio>",
     "video_url": "<video>",
+    # An embedding encoded elsewhere fills the same placeholder as the media it came from.
+    "image_embeds": "<image>",
+    "audio_embeds": "<audio>",
+    "video_embeds": "<video>",
 }
 
 

@@ -69,12 +69,20 @@ def test_encoder_shape_matches_capture(start_sim):
     assert shape(body) == shape(theirs)
 
 
-def test_encoder_refuses_requests_without_media(start_sim):
+def test_encoder_answers_text_only_requests_with_nothing(start_sim):
+    """Real vLLM's encoder (ec-example/07): 200, empty content, ``ec_transfer_params`` null."""
     enc = start_sim(role="encode")
     resp = _chat(enc.url, "text only")
-    assert resp.status_code == 400 and resp.json()["error"]["type"] == "BadRequestError"
-    assert requests.post(enc.url + "/v1/completions", json={"prompt": "hi"},
-                         timeout=5).status_code == 400
+    assert resp.status_code == 200
+    body = resp.json()
+    assert body["ec_transfer_params"] is None
+    assert body["choices"][0]["message"]["content"] == ""
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] == 0
+    assert enc.state.stats()["items_encoded"] == 0
+    if samples_available():
+        theirs = json.loads(load_sample("ec-example/07-encoder-text-only")[2])
+        assert shape(body) == shape(theirs)
 
 
 def test_encoder_stream_has_no_tokens(start_sim):
