@@ -339,3 +339,18 @@ def test_an_unmatchable_encoder_report_is_a_502(sim, proxy, report) -> None:
     assert r.status_code == 502, r.text
     assert r.json()["error"]["code"] == "bad_encoder_report"
     assert pd.state.stats()["completions"] == 0
+
+
+def test_streamed_e_pd_request_relays_events_after_encoding(sim, proxy) -> None:
+    enc = sim("encode", ttft=0.05)
+    pd = sim("prefill_decode", token_delay=0.01)
+    px = proxy(roster([enc], pds=[(pd, {})]))
+    r = post(px, chat(image(), audio(), stream=True, max_tokens=5))
+    assert r.status_code == 200
+    assert r.headers["Content-Type"].startswith("text/event-stream")
+    events = [b for b in r.content.decode().split("\n\n") if b.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and len(events) >= 6
+    (record,) = completions(pd)
+    assert record["body"]["stream"] is True
+    assert [p["type"] for p in media_parts(record)] == ["image_embeds", "audio_embeds"]
+    assert completions(enc)[0]["body"]["stream"] is False
