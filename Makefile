@@ -12,6 +12,11 @@ DECODE_PORT := 8200
 TOKEN_DELAY_MS ?= 30
 EPD_ROSTER ?= etc/roster.yaml
 PYTEST_ARGS ?=
+# The benchmark's peer (vllm-router) lives in its own virtualenv outside the source tree: it is
+# never a dependency of epd-flask.
+BENCH_VENV ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/epd-flask/bench-venv
+VLLM_ROUTER_VERSION ?= 0.1.17
+BENCH_ARGS ?=
 
 export EPD_ROSTER
 
@@ -41,6 +46,16 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+
+$(BENCH_VENV)/.installed:
+	$(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/pip install --quiet --disable-pip-version-check \
+	    vllm-router==$(VLLM_ROUTER_VERSION)
+	touch $@
+
+## bench: epd-flask vs direct-to-decode vs vllm-router on loopback; writes docs/benchmarks.md
+bench: $(STAMP) $(BENCH_VENV)/.installed
+	$(BIN)/python tests/bench/run.py --router $(BENCH_VENV)/bin/vllm-router $(BENCH_ARGS)
 
 check-roster: $(STAMP)
 	$(BIN)/epd-flask-check-roster $(EPD_ROSTER)

@@ -1,0 +1,219 @@
+"""Turning benchmark runs into markdown: medians over repeats, ratios against the same run.
+
+Nothing here measures; it only summarises what ``run.py`` collected.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from pathlib import Path
+from typing import Any
+
+STREAMING = {"b", "c", "d-streams"}
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))
+    return ordered[index]
+
+
+def _median(values: list[float | None]) -> float | None:
+    kept = [v for v in values if v is not None]
+    return statistics.median(kept) if kept else None
+
+
+def group_summary(runs: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    """One group of one target, median over repeats (counts summed, peaks maxed)."""
+    groups = [next(g for g in run["groups"] if g["name"] == name) for run in runs]
+    ms = 1000.0
+    return {
+        "completed": sum(g["completed"] for g in groups),
+        "errors": sum(g["errors"] for g in groups),
+        "error_samples": [s for g in groups for s in g["error_samples"]][:3],
+        "rps": _median([g["completed"] / g["wall_s"] if g["wall_s"] else None for g in groups]),
+        "lat_p50": _median([_ms(pct(g["latency_s"], 50)) for g in groups]),
+        "lat_p99": _median([_ms(pct(g["latency_s"], 99)) for g in groups]),
+        "ttft_p50": _median([_ms(pct(g["ttft_s"], 50)) for g in groups]),
+        "ttft_p99": _median([_ms(pct(g["ttft_s"], 99)) for g in groups]),
+        "max_gap": _median([max(g["max_gap_s"]) * ms if g["max_gap_s"] else None
+                            for g in groups]),
+        # A stall of the worker hits every stream it carries at once, so it lifts the median
+        # of the per-stream largest gaps; scheduling noise on a shared machine hits a few.
+        "med_gap": _median([_ms(pct(g["max_gap_s"], 50)) for g in groups]),
+    }
+
+
+def run_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "cpu_ms": _median([r["cpu_s"] * 1000 / r["requests"] if r["requests"] else None
+                           for r in runs]),
+        "sim_cpu_ms": _median([r["sim_cpu_s"] * 1000 / r["requests"] if r["requests"] else None
+                               for r in runs]),
+        "client_cpu_ms": _median([r["client_cpu_s"] * 1000 / r["requests"]
+                                  if r["requests"] else None for r in runs]),
+        "rss": max(r["peak_rss_mb"] for r in runs),
+        "repeats": len(runs),
+    }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000.0
+
+
+def _f(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def progress_line(workload: str, rep: int, run: dict[str, Any]) -> str:
+    parts = []
+    for g in run["groups"]:
+        lat = pct(g["latency_s"], 50)
+        parts.append(f"{g['name']}: {g['completed']} ok {g['errors']} err "
+                     f"{g['completed'] / g['wall_s']:.0f} req/s p50 {_f(_ms(lat), 2)} ms")
+    cpu = run["cpu_s"] * 1000 / run["requests"] if run["requests"] else 0.0
+    return (f"[{workload} #{rep + 1}] {run['target']}: " + "; ".join(parts)
+            + f"; cpu {cpu:.2f} ms/req, rss {run['peak_rss_mb']:.0f} MB")
+
+
+def summaries(results: list[dict[str, Any]]) -> dict[tuple[str, str, str], dict[str, Any]]:
+    out: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for res in results:
+        for target, runs in res["runs"].items():
+            if not runs:
+                continue
+            whole = run_summary(runs)
+            for g in runs[0]["groups"]:
+                out[(res["workload"], g["name"], target)] = {**group_summary(runs, g["name"]),
+                                                            **whole}
+    return out
+
+
+def render(meta: dict[str, Any], results: list[dict[str, Any]]) -> str:
+    m = meta["machine"]
+    lines = [
+        f"Run {meta['started']} to {meta['finished']} (UTC). Machine: {m['nproc']} CPUs "
+        f"({m['cpu']}), {m['mem_gb']} GB RAM, Python {m['python']}, Linux {m['kernel']}; "
+        f"load average {m['load_before'][0]:.2f} before, {meta['load_after'][0]:.2f} after "
+        "(the machine is shared: read ratios, not absolute times). "
+        f"vllm-router {meta.get('router_version') or 'not run'}.",
+        "",
+        f"Command: `{meta['command']}`",
+        "",
+        "Workloads:",
+        "",
+    ]
+    for res in results:
+        lines.append(f"- **{res['workload']}**: {res['what']}")
+    lines += [
+        "",
+        "| workload | target | ok | err | req/s | latency p50 / p99 ms | TTFT p50 / p99 ms "
+        "| largest gap: max / median ms | proxy CPU ms/req | x router | sim CPU ms/req "
+        "| peak RSS MB |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    table = summaries(results)
+    for (workload, group, target), s in table.items():
+        router = table.get((workload, group, "vllm-router"))
+        direct = target == "direct"
+        ratio = (s["cpu_ms"] / router["cpu_ms"]) if (
+            router and not direct and router["cpu_ms"]) else None
+        stream = group in STREAMING
+        lines.append(
+            f"| {group} | {target} | {s['completed']} | {s['errors']} | {_f(s['rps'], 0)} "
+            f"| {_f(s['lat_p50'], 2)} / {_f(s['lat_p99'], 2)} "
+            f"| {_f(s['ttft_p50'], 1) if stream else '-'} / "
+            f"{_f(s['ttft_p99'], 1) if stream else '-'} "
+            f"| {_f(s['max_gap'], 1) + ' / ' + _f(s['med_gap'], 1) if stream else '-'} "
+            f"| {'-' if direct else _f(s['cpu_ms'], 2)} | {_f(ratio, 2)} "
+            f"| {_f(s['sim_cpu_ms'], 2)} | {'-' if direct else _f(s['rss'], 0)} |")
+    lines += ["", *targets_section(table)]
+    errors = [(k, s["error_samples"]) for k, s in table.items() if s["error_samples"]]
+    if errors:
+        lines += ["", "Error samples:", ""]
+        for (_workload, group, target), samples in errors:
+            lines.append(f"- {group} / {target}: {samples[0][:200]}")
+    return "\n".join(lines) + "\n"
+
+
+def targets_section(table: dict[tuple[str, str, str], dict[str, Any]]) -> list[str]:
+    """The issue's targets, each with the figure this run measured."""
+
+    def get(workload: str, target: str, group: str | None = None) -> dict[str, Any] | None:
+        return table.get((workload, group or workload, target))
+
+    out = ["| target | measured | met |", "|---|---|---|"]
+
+    def ratio_row(workload: str, limit: float) -> None:
+        ours, router = get(workload, "epd-flask"), get(workload, "vllm-router")
+        if not ours or not router or not router["cpu_ms"]:
+            return
+        r = ours["cpu_ms"] / router["cpu_ms"]
+        out.append(f"| {workload}: proxy CPU/request ≤ {limit:g}x vllm-router's "
+                   f"| {ours['cpu_ms']:.2f} vs {router['cpu_ms']:.2f} ms = {r:.2f}x "
+                   f"| {'yes' if r <= limit else 'no'} |")
+
+    ratio_row("a32", 4)
+    ratio_row("b", 2.5)
+    ratio_row("c", 2)
+    ours, direct = get("a1", "epd-flask"), get("a1", "direct")
+    if ours and direct and ours["lat_p50"] is not None and direct["lat_p50"] is not None:
+        added = ours["lat_p50"] - direct["lat_p50"]
+        router = get("a1", "vllm-router")
+        extra = ""
+        if router and router["lat_p50"] is not None:
+            extra = f" (vllm-router adds {router['lat_p50'] - direct['lat_p50']:.2f} ms)"
+        out.append(f"| a1: added latency p50 ≤ 1 ms | {added:.2f} ms{extra} "
+                   f"| {'yes' if added <= 1 else 'no'} |")
+    c = get("c", "epd-flask")
+    if c:
+        total = c["completed"] + c["errors"]
+        out.append(f"| c: all 500 streams complete | {c['completed']}/{total} "
+                   f"| {'yes' if c['errors'] == 0 and c['completed'] >= 500 else 'no'} |")
+        if c["ttft_p99"] is not None:
+            out.append(f"| c: TTFT p99 ≤ 100 ms | {c['ttft_p99']:.1f} ms "
+                       f"| {'yes' if c['ttft_p99'] <= 100 else 'no'} |")
+        out.append(f"| c: RSS ≤ 150 MB | {c['rss']:.0f} MB "
+                   f"| {'yes' if c['rss'] <= 150 else 'no'} |")
+    d = get("d", "epd-flask", "d-streams")
+    d_direct = get("d", "direct", "d-streams")
+    if d and d["med_gap"] is not None:
+        base = (f"; direct to decode: {d_direct['med_gap']:.1f} / {d_direct['max_gap']:.1f} ms"
+                if d_direct and d_direct["med_gap"] is not None else "")
+        out.append("| d: no stall > 20 ms for the other streams (their largest inter-chunk "
+                   "gap, median over streams, ≤ 20 ms on top of the 20 ms pace) "
+                   f"| median {d['med_gap']:.1f} ms, max {d['max_gap']:.1f} ms{base} "
+                   f"| {'yes' if d['med_gap'] <= 40 else 'no'} |")
+    alone = get("d-alone", "epd-flask")
+    if alone:
+        router = get("d-alone", "vllm-router")
+        extra = f" (vllm-router {router['cpu_ms']:.1f} ms)" if router else ""
+        out.append(f"| d: the 4 MB request's own proxy CPU ≤ 30 ms | {alone['cpu_ms']:.1f} ms"
+                   f"{extra} | {'yes' if alone['cpu_ms'] <= 30 else 'no'} |")
+    e1, e8 = get("e1", "epd-flask"), get("e8", "epd-flask")
+    if e1 and e8 and e1["cpu_ms"]:
+        out.append(f"| e: cost grows linearly with items | 1 image {e1['cpu_ms']:.2f} ms, "
+                   f"8 images {e8['cpu_ms']:.2f} ms ({e8['cpu_ms'] / e1['cpu_ms']:.1f}x) "
+                   "| see text |")
+    a32_direct, a32 = get("a32", "direct"), get("a32", "epd-flask")
+    if a32_direct and a32 and a32["rps"]:
+        out.append(f"| simulator never the bottleneck | direct-to-decode a32 "
+                   f"{a32_direct['rps']:.0f} req/s vs {a32['rps']:.0f} req/s through "
+                   f"epd-flask ({a32_direct['rps'] / a32['rps']:.1f}x) | "
+                   f"{'yes' if a32_direct['rps'] > 1.5 * a32['rps'] else 'no'} |")
+    return out
+
+
+def write_section(path: Path, label: str, text: str) -> None:
+    """Replace (or append) the section between this label's markers, keeping the rest."""
+    start, end = f"<!-- bench:{label}:start -->", f"<!-- bench:{label}:end -->"
+    block = f"{start}\n{text}{end}\n"
+    old = path.read_text() if path.exists() else "# Benchmarks\n"
+    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end) + r"\n?", re.S)
+    new = pattern.sub(lambda _: block, old) if pattern.search(old) else (
+        old.rstrip("\n") + "\n\n" + block)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(new)

@@ -1,0 +1,383 @@
+"""``make bench``: epd-flask next to a direct-to-decode baseline and vllm-router, same run.
+
+Starts simulated instances (zero latency unless a workload paces tokens), epd-flask under
+gunicorn with one gevent worker, and vllm-router in P/D mode, all on loopback as separate
+processes; runs each workload through the load generator (another process) against each
+target in turn, and measures the target's process tree through /proc. Bounded: every
+workload has a request count and a deadline. Writes the report into docs/benchmarks.md
+between markers, leaving the hand-written analysis around them alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import datetime
+import json
+import os
+import platform
+import random
+import resource
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import procstat
+import report
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+LOADGEN = Path(__file__).resolve().parent / "loadgen.py"
+CHAT = "/v1/chat/completions"
+MODEL = "tiny-llama"
+START_TIMEOUT = 30.0
+IMAGE_BASE64_BYTES = 4 * 1024 * 1024
+FD_LIMIT = 8192
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def chat_body(tokens: int, stream: bool, content: Any = "Tell me a story.") -> dict[str, Any]:
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": tokens, "stream": stream,
+                            "messages": [{"role": "user", "content": content}]}
+    return body
+
+
+def image_content(n_images: int, b64_bytes: int, seed: int = 7) -> list[dict[str, Any]]:
+    """Chat content with ``n_images`` distinct inline images, each ``b64_bytes`` of base64."""
+    rng = random.Random(seed)
+    parts: list[dict[str, Any]] = [{"type": "text", "text": "Describe these."}]
+    for _ in range(n_images):
+        raw = rng.randbytes(b64_bytes * 3 // 4)
+        url = "data:image/png;base64," + base64.b64encode(raw).decode()
+        parts.append({"type": "image_url", "image_url": {"url": url}})
+    return parts
+
+
+@dataclass
+class Workload:
+    name: str
+    what: str
+    sim: dict[str, Any]
+    groups: list[dict[str, Any]]
+    repeats: int = 1
+    deadline: float = 60.0
+    note: str = ""
+
+
+@dataclass
+class Target:
+    name: str
+    url: str
+    roots: list[int] = field(default_factory=list)
+
+
+class Fleet:
+    """The processes of one benchmark run; every one of them is ours and stopped at the end."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None,
+              ) -> subprocess.Popen[bytes]:
+        log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115
+        proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, **(env or {})},
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def sim(self, role: str) -> tuple[str, int]:
+        port = free_port()
+        proc = self.spawn(f"sim-{role}-{port}", [
+            str(BIN / "epd-flask-sim"), "--role", role, "--port", str(port),
+            "--max-model-len", "16384", "--log-level", "WARNING"])
+        url = f"http://127.0.0.1:{port}"
+        wait_up(url + "/health", proc)
+        return url, proc.pid
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for proc in self.procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def wait_up(url: str, proc: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: process exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"{url} not up after {START_TIMEOUT} s")
+
+
+def configure(url: str, knobs: dict[str, Any]) -> None:
+    req = urllib.request.Request(url + "/sim/config", data=json.dumps(knobs).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(req, timeout=5):
+        pass
+
+
+def build_workloads(quick: bool, workdir: Path, encoders: bool) -> list[Workload]:
+    big = workdir / "big-4mb.json"
+    big.write_bytes(json.dumps(chat_body(16, False, image_content(1, IMAGE_BASE64_BYTES)))
+                    .encode())
+    eight = workdir / "eight-images.json"
+    eight.write_bytes(json.dumps(chat_body(16, False, image_content(8, 256 * 1024)))
+                      .encode())
+    one = workdir / "one-image.json"
+    one.write_bytes(json.dumps(chat_body(16, False, image_content(1, 256 * 1024))).encode())
+    scale = 0.3 if quick else 1.0
+
+    def n(count: int) -> int:
+        return max(1, int(count * scale))
+
+    stage = "E+PD" if encoders else "P+D (no encoder stage on main yet)"
+    return [
+        Workload("a1", "non-stream, 16 tokens, concurrency 1",
+                 {"token_delay": 0.0, "output_tokens": 16},
+                 [{"name": "a1", "path": CHAT, "body": chat_body(16, False),
+                   "concurrency": 1, "requests": n(400)}], repeats=3),
+        Workload("a32", "non-stream, 16 tokens, concurrency 32",
+                 {"token_delay": 0.0, "output_tokens": 16},
+                 [{"name": "a32", "path": CHAT, "body": chat_body(16, False),
+                   "concurrency": 32, "requests": n(3000)}], repeats=3),
+        Workload("b", "stream, 64 tokens at 5 ms/token, concurrency 64",
+                 {"token_delay": 0.005, "output_tokens": 64},
+                 [{"name": "b", "path": CHAT, "body": chat_body(64, True),
+                   "concurrency": 64, "requests": n(640)}], repeats=3),
+        Workload("c", "500 concurrent streams, 200 tokens at 20 ms/token (started over 2 s)",
+                 {"token_delay": 0.02, "output_tokens": 200},
+                 [{"name": "c", "path": CHAT, "body": chat_body(200, True),
+                   "concurrency": n(500), "requests": n(500), "ramp": 2.0}], repeats=1),
+        Workload("d", f"4 MB base64 image in a chat request through {stage}, "
+                 "while 100 streams (200 tokens at 20 ms) flow on the same worker",
+                 {"token_delay": 0.02, "output_tokens": 200},
+                 [{"name": "d-streams", "path": CHAT, "body": chat_body(200, True),
+                   "concurrency": 100, "requests": 100, "ramp": 0.5},
+                  {"name": "d-big", "path": CHAT, "body_file": str(big),
+                   "concurrency": 1, "requests": 5, "delay": 1.5}], repeats=1),
+        Workload("d-alone", "the 4 MB request alone, sequentially (its own proxy CPU)",
+                 {"token_delay": 0.0, "output_tokens": 16},
+                 [{"name": "d-alone", "path": CHAT, "body_file": str(big),
+                   "concurrency": 1, "requests": n(20)}], repeats=1),
+        Workload("e1", f"1 image (256 KB base64) per request through {stage}, concurrency 4",
+                 {"token_delay": 0.0, "output_tokens": 16},
+                 [{"name": "e1", "path": CHAT, "body_file": str(one),
+                   "concurrency": 4, "requests": n(200)}], repeats=1),
+        Workload("e8", f"8 images (256 KB base64 each) per request through {stage}, "
+                 "concurrency 4",
+                 {"token_delay": 0.0, "output_tokens": 16},
+                 [{"name": "e8", "path": CHAT, "body_file": str(eight),
+                   "concurrency": 4, "requests": n(200)}], repeats=1),
+    ]
+
+
+def run_loadgen(url: str, workload: Workload) -> tuple[dict[str, Any], float]:
+    spec = {"url": url, "deadline": workload.deadline, "groups": workload.groups}
+    proc = subprocess.Popen([sys.executable, str(LOADGEN)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+    proc.stdin.write(json.dumps(spec).encode())
+    proc.stdin.close()
+    out = proc.stdout.read()
+    err = proc.stderr.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise RuntimeError(f"load generator failed: {err.decode(errors='replace')[-2000:]}")
+    return json.loads(out), usage.ru_utime + usage.ru_stime
+
+
+def start_profiler(target: Target, out: Path) -> subprocess.Popen[bytes] | None:
+    """py-spy (from the developer's venv, never a dependency) on the target's worker."""
+    pyspy = shutil.which("py-spy", path=str(BIN)) or shutil.which("py-spy")
+    if pyspy is None:
+        raise RuntimeError("--profile needs py-spy: pip install py-spy into the venv")
+    pids = procstat.tree(target.roots[0])
+    worker = pids[-1]  # one gevent worker under the gunicorn master
+    proc = subprocess.Popen([pyspy, "record", "--pid", str(worker), "--rate", "250",
+                             "--format", "raw", "--output", str(out), "--nonblocking"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1.0)  # py-spy attaches before the load starts
+    return proc
+
+
+def measure(target: Target, sims: list[int], workload: Workload,
+            profile: Path | None = None) -> dict[str, Any]:
+    profiler = start_profiler(target, profile) if profile else None
+    procstat.reset_peak(target.roots)
+    before = procstat.sample(target.roots)
+    sims_before = procstat.sample(sims)
+    result, client_cpu = run_loadgen(target.url, workload)
+    after = procstat.sample(target.roots)
+    sims_after = procstat.sample(sims)
+    if profiler is not None:
+        profiler.send_signal(signal.SIGINT)
+        profiler.wait(30)
+    requests = sum(g["completed"] + g["errors"] for g in result["groups"])
+    return {
+        "target": target.name,
+        "groups": result["groups"],
+        "requests": requests,
+        "cpu_s": after.cpu_s - before.cpu_s,
+        "peak_rss_mb": after.peak_rss_mb,
+        "sim_cpu_s": sims_after.cpu_s - sims_before.cpu_s,
+        "client_cpu_s": client_cpu,
+    }
+
+
+def machine() -> dict[str, Any]:
+    model = "unknown"
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    with open("/proc/meminfo") as f:
+        mem_kb = int(f.readline().split()[1])
+    return {"nproc": os.cpu_count(), "cpu": model, "mem_gb": round(mem_kb / 1024 / 1024, 1),
+            "python": platform.python_version(), "kernel": platform.release(),
+            "load_before": os.getloadavg()}
+
+
+def router_version(router: str) -> str:
+    pip = Path(router).parent / "pip"
+    try:
+        out = subprocess.run([str(pip), "show", "vllm-router"], capture_output=True,
+                             text=True, timeout=30).stdout
+    except OSError:
+        return "unknown"
+    for line in out.splitlines():
+        if line.startswith("Version:"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--router", default="", help="vllm-router executable (bench venv)")
+    p.add_argument("--only", default="", help="comma-separated workloads (default: all)")
+    p.add_argument("--targets", default="direct,epd-flask,vllm-router")
+    p.add_argument("--quick", action="store_true", help="fewer requests, for a smoke run")
+    p.add_argument("--repeats", type=int, default=0, help="override every workload's repeats")
+    p.add_argument("--json", default="", help="also write the raw results here")
+    p.add_argument("--report", default=str(ROOT / "docs" / "benchmarks.md"),
+                   help="markdown file to write the report into ('' to skip)")
+    p.add_argument("--label", default="latest", help="name of the report section")
+    p.add_argument("--profile", default="",
+                   help="directory: record py-spy stacks of the epd-flask worker per workload "
+                   "(CPU figures of profiled runs are inflated; don't report them)")
+    args = p.parse_args(argv)
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(FD_LIMIT, hard)), hard))
+    targets_wanted = args.targets.split(",")
+    if "vllm-router" in targets_wanted and not (args.router and Path(args.router).exists()):
+        print("vllm-router not found (make bench installs it); running without it",
+              file=sys.stderr)
+        targets_wanted.remove("vllm-router")
+
+    workdir = Path(tempfile.mkdtemp(prefix="epd-bench-"))
+    fleet = Fleet(workdir)
+    started = datetime.datetime.now(datetime.timezone.utc)
+    info = machine()
+    try:
+        prefill, prefill_pid = fleet.sim("prefill")
+        decode, decode_pid = fleet.sim("decode")
+        sims = [prefill_pid, decode_pid]
+        encoders = False  # the encoder stage (issue 4) is not in the proxy yet
+        roster = workdir / "roster.yaml"
+        roster.write_text(
+            "settings: {connector: nixl}\ninstances:\n"
+            f"  - {{role: prefill, url: \"{prefill}\"}}\n"
+            f"  - {{role: decode, url: \"{decode}\"}}\n")
+        targets: list[Target] = []
+        if "direct" in targets_wanted:
+            targets.append(Target("direct", decode, []))
+        if "epd-flask" in targets_wanted:
+            port = free_port()
+            proc = fleet.spawn("epd-flask", [str(BIN / "gunicorn"), "-c", "etc/gunicorn.conf.py",
+                                             "wsgi:app"], env={
+                "EPD_WORKERS": "1", "EPD_BIND": f"127.0.0.1:{port}", "EPD_ROSTER": str(roster),
+                "EPD_LOG_LEVEL": "warning"})
+            url = f"http://127.0.0.1:{port}"
+            wait_up(url + "/ready", proc)
+            targets.append(Target("epd-flask", url, [proc.pid]))
+        if "vllm-router" in targets_wanted:
+            port = free_port()
+            proc = fleet.spawn("vllm-router", [
+                args.router, "--vllm-pd-disaggregation", "--prefill", prefill,
+                "--decode", decode, "--policy", "round_robin", "--kv-connector", "nixl",
+                "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"])
+            url = f"http://127.0.0.1:{port}"
+            wait_up(url + "/health", proc)
+            targets.append(Target("vllm-router", url, [proc.pid]))
+        workloads = build_workloads(args.quick, workdir, encoders)
+        only = set(filter(None, args.only.split(",")))
+        results: list[dict[str, Any]] = []
+        for wl in workloads:
+            if only and wl.name not in only:
+                continue
+            for url in (prefill, decode):
+                configure(url, wl.sim)
+            runs: dict[str, list[dict[str, Any]]] = {t.name: [] for t in targets}
+            for rep in range(args.repeats or wl.repeats):
+                for target in targets:
+                    prof = (Path(args.profile) / f"{wl.name}-{rep + 1}.txt"
+                            if args.profile and target.name == "epd-flask" else None)
+                    run = measure(target, sims, wl, prof)
+                    runs[target.name].append(run)
+                    print(report.progress_line(wl.name, rep, run), file=sys.stderr, flush=True)
+            results.append({"workload": wl.name, "what": wl.what, "runs": runs})
+        finished = datetime.datetime.now(datetime.timezone.utc)
+        meta = {"started": started.isoformat(timespec="seconds"),
+                "finished": finished.isoformat(timespec="seconds"), "machine": info,
+                "load_after": os.getloadavg(),
+                "router_version": router_version(args.router) if args.router else None,
+                "command": " ".join([Path(sys.executable).name, *sys.argv]).replace(
+                    str(Path.home()), "~"),
+                "label": args.label}
+        if args.json:
+            Path(args.json).write_text(json.dumps({"meta": meta, "results": results}))
+        text = report.render(meta, results)
+        print(text)
+        if args.report:
+            report.write_section(Path(args.report), args.label, text)
+    except BaseException:
+        fleet.stop()
+        print(f"benchmark failed; process logs kept in {workdir}", file=sys.stderr)
+        raise
+    fleet.stop()
+    shutil.rmtree(workdir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
