@@ -19,6 +19,10 @@ logger = logging.getLogger(__name__)
 
 #: Re-check interval when the client has sent bytes we must not consume (pipelining).
 BUSY_POLL_INTERVAL = 0.05
+#: Waits up to this long (inter-token delays) sleep and then peek once: a departed client is
+#: still noticed within one token, without select()'s watchers and timer on every token,
+#: which were a third of the sim's CPU with 500 paced streams.
+SHORT_WAIT = 0.1
 
 
 def client_gone(sock: Any) -> bool:
@@ -40,6 +44,9 @@ def wait_or_gone(sock: Any | None, seconds: float) -> bool:
     if sock is None:
         gevent.sleep(seconds)
         return False
+    if seconds <= SHORT_WAIT:
+        gevent.sleep(seconds)
+        return client_gone(sock)
     deadline = time.monotonic() + seconds
     while True:
         remaining = deadline - time.monotonic()
