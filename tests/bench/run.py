@@ -41,6 +41,8 @@ CHAT = "/v1/chat/completions"
 MODEL = "tiny-llama"
 START_TIMEOUT = 30.0
 IMAGE_BASE64_BYTES = 4 * 1024 * 1024
+ENCODERS = 4
+SLOW_ENCODER_MS = 50
 FD_LIMIT = 8192
 
 
@@ -75,7 +77,8 @@ class Workload:
     groups: list[dict[str, Any]]
     repeats: int = 1
     deadline: float = 60.0
-    note: str = ""
+    # Knobs per encoder (the rest get ttft 0); None: all at zero latency.
+    encoders: list[dict[str, Any]] | None = None
 
 
 @dataclass
@@ -100,11 +103,11 @@ class Fleet:
         self.procs.append(proc)
         return proc
 
-    def sim(self, role: str) -> tuple[str, int]:
+    def sim(self, role: str, *extra: str) -> tuple[str, int]:
         port = free_port()
         proc = self.spawn(f"sim-{role}-{port}", [
             str(BIN / "epd-flask-sim"), "--role", role, "--port", str(port),
-            "--max-model-len", "16384", "--log-level", "WARNING"])
+            "--max-model-len", "16384", "--log-level", "WARNING", *extra])
         url = f"http://127.0.0.1:{port}"
         wait_up(url + "/health", proc)
         return url, proc.pid
@@ -144,21 +147,26 @@ def configure(url: str, knobs: dict[str, Any]) -> None:
         pass
 
 
-def build_workloads(quick: bool, workdir: Path, encoders: bool) -> list[Workload]:
-    big = workdir / "big-4mb.json"
-    big.write_bytes(json.dumps(chat_body(16, False, image_content(1, IMAGE_BASE64_BYTES)))
-                    .encode())
-    eight = workdir / "eight-images.json"
-    eight.write_bytes(json.dumps(chat_body(16, False, image_content(8, 256 * 1024)))
-                      .encode())
-    one = workdir / "one-image.json"
-    one.write_bytes(json.dumps(chat_body(16, False, image_content(1, 256 * 1024))).encode())
+def build_workloads(quick: bool, workdir: Path) -> list[Workload]:
+    def body_file(name: str, n_images: int, b64_bytes: int) -> str:
+        path = workdir / name
+        path.write_bytes(json.dumps(chat_body(16, False, image_content(n_images, b64_bytes)))
+                         .encode())
+        return str(path)
+
+    big = body_file("big-4mb.json", 1, IMAGE_BASE64_BYTES)
     scale = 0.3 if quick else 1.0
 
     def n(count: int) -> int:
         return max(1, int(count * scale))
 
-    stage = "E+PD" if encoders else "P+D (no encoder stage on main yet)"
+    stage = ("epd-flask: E+P+D over 4 encoders, which answer empty metadata as LLaVA does, so "
+             "the media also reach prefill and decode; vllm-router has no encoder stage: P+D")
+    items = [Workload(
+        f"e{k}", f"{k} image(s) of 64 KB base64 per request, concurrency 4 ({stage})",
+        {"token_delay": 0.0, "output_tokens": 16},
+        [{"name": f"e{k}", "path": CHAT, "body_file": body_file(f"e{k}.json", k, 64 * 1024),
+          "concurrency": 4, "requests": n(200)}]) for k in (1, 2, 4, 8)]
     return [
         Workload("a1", "non-stream, 16 tokens, concurrency 1",
                  {"token_delay": 0.0, "output_tokens": 16},
@@ -176,26 +184,30 @@ def build_workloads(quick: bool, workdir: Path, encoders: bool) -> list[Workload
                  {"token_delay": 0.02, "output_tokens": 200},
                  [{"name": "c", "path": CHAT, "body": chat_body(200, True),
                    "concurrency": n(500), "requests": n(500), "ramp": 2.0}], repeats=1),
-        Workload("d", f"4 MB base64 image in a chat request through {stage}, "
-                 "while 100 streams (200 tokens at 20 ms) flow on the same worker",
+        Workload("d", "a chat request with a 4 MB base64 image, 5 times one after the other, "
+                 f"while 100 streams (200 tokens at 20 ms) flow on the same worker ({stage})",
                  {"token_delay": 0.02, "output_tokens": 200},
                  [{"name": "d-streams", "path": CHAT, "body": chat_body(200, True),
                    "concurrency": 100, "requests": 100, "ramp": 0.5},
-                  {"name": "d-big", "path": CHAT, "body_file": str(big),
+                  {"name": "d-big", "path": CHAT, "body_file": big,
                    "concurrency": 1, "requests": 5, "delay": 1.5}], repeats=1),
-        Workload("d-alone", "the 4 MB request alone, sequentially (its own proxy CPU)",
+        Workload("d-alone", "the 4 MB request alone, one after the other (its own proxy CPU)",
                  {"token_delay": 0.0, "output_tokens": 16},
-                 [{"name": "d-alone", "path": CHAT, "body_file": str(big),
+                 [{"name": "d-alone", "path": CHAT, "body_file": big,
                    "concurrency": 1, "requests": n(20)}], repeats=1),
-        Workload("e1", f"1 image (256 KB base64) per request through {stage}, concurrency 4",
+        *items,
+        Workload("e8-even", "8 images per request, concurrency 1, all 4 encoders at zero latency",
                  {"token_delay": 0.0, "output_tokens": 16},
-                 [{"name": "e1", "path": CHAT, "body_file": str(one),
-                   "concurrency": 4, "requests": n(200)}], repeats=1),
-        Workload("e8", f"8 images (256 KB base64 each) per request through {stage}, "
-                 "concurrency 4",
+                 [{"name": "e8-even", "path": CHAT,
+                   "body_file": str(workdir / "e8.json"), "concurrency": 1,
+                   "requests": n(40)}]),
+        Workload("e8-skew", "8 images per request, concurrency 1, one of the 4 encoders takes "
+                 f"{SLOW_ENCODER_MS} ms, the others none: wall time should track the slowest",
                  {"token_delay": 0.0, "output_tokens": 16},
-                 [{"name": "e8", "path": CHAT, "body_file": str(eight),
-                   "concurrency": 4, "requests": n(200)}], repeats=1),
+                 [{"name": "e8-skew", "path": CHAT,
+                   "body_file": str(workdir / "e8.json"), "concurrency": 1,
+                   "requests": n(40)}],
+                 encoders=[{"ttft": SLOW_ENCODER_MS / 1000}, {}, {}, {}]),
     ]
 
 
@@ -311,12 +323,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         prefill, prefill_pid = fleet.sim("prefill")
         decode, decode_pid = fleet.sim("decode")
-        sims = [prefill_pid, decode_pid]
-        encoders = False  # the encoder stage (issue 4) is not in the proxy yet
+        # Sims in separate processes share no embedding store, so the encoders answer as
+        # vLLM's LLaVA does (empty metadata): items stay media, keyed, for the next stage.
+        encoders = [fleet.sim("encode", "--ec-metadata", "empty") for _ in range(ENCODERS)]
+        sims = [prefill_pid, decode_pid, *(pid for _, pid in encoders)]
         roster = workdir / "roster.yaml"
         roster.write_text(
             "settings: {connector: nixl}\ninstances:\n"
-            f"  - {{role: prefill, url: \"{prefill}\"}}\n"
+            + "".join(f"  - {{role: encode, url: \"{url}\"}}\n" for url, _ in encoders)
+            + f"  - {{role: prefill, url: \"{prefill}\"}}\n"
             f"  - {{role: decode, url: \"{decode}\"}}\n")
         targets: list[Target] = []
         if "direct" in targets_wanted:
@@ -339,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
             url = f"http://127.0.0.1:{port}"
             wait_up(url + "/health", proc)
             targets.append(Target("vllm-router", url, [proc.pid]))
-        workloads = build_workloads(args.quick, workdir, encoders)
+        workloads = build_workloads(args.quick, workdir)
         only = set(filter(None, args.only.split(",")))
         results: list[dict[str, Any]] = []
         for wl in workloads:
@@ -347,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             for url in (prefill, decode):
                 configure(url, wl.sim)
+            for i, (url, _) in enumerate(encoders):
+                configure(url, {"ttft": 0.0, **(wl.encoders[i] if wl.encoders else {})})
             runs: dict[str, list[dict[str, Any]]] = {t.name: [] for t in targets}
             for rep in range(args.repeats or wl.repeats):
                 for target in targets:
