@@ -10,6 +10,7 @@ from flask import Blueprint, Response, current_app, request
 from epd_flask.context import RequestContext
 from epd_flask.errors import ClientError, ProxyError
 from epd_flask.headers import REQUEST_ID_HEADER, request_id, upstream_headers
+from epd_flask.legs import peer_closed
 from epd_flask.pipeline import Reply
 
 bp = Blueprint("api", __name__)
@@ -24,7 +25,13 @@ def _services():
 
 def _context() -> RequestContext:
     rid = request_id(request.headers.get(REQUEST_ID_HEADER))
-    return RequestContext(rid, request.path, upstream_headers(request.headers.items(), rid))
+    headers = upstream_headers(request.headers.items(), rid,
+                               _services().config.backend_api_key)
+    ctx = RequestContext(rid, request.path, headers)
+    sock = request.environ.get("gunicorn.socket")
+    if sock is not None:
+        ctx.client_gone = lambda: peer_closed(sock)
+    return ctx
 
 
 def parse_object(raw: bytes) -> dict[str, Any]:
@@ -83,7 +90,10 @@ def health() -> Response:
     svc = _services()
     ready, reason = svc.pipeline.ready()
     doc = {"status": "ok", "ready": ready, "reason": reason,
-           "connector": svc.roster.settings.connector, "instances": svc.registry.snapshot()}
+           "connector": svc.roster.settings.connector, "instances": svc.registry.snapshot(),
+           "counters": dict(svc.pipeline.counters)}
+    if svc.discovery is not None:
+        doc["bootstrap"] = svc.discovery.snapshot()
     return Response(json.dumps(doc), status=200, content_type="application/json")
 
 

@@ -16,7 +16,8 @@ from werkzeug.exceptions import HTTPException
 from epd_flask import errors
 from epd_flask import roster as roster_mod
 from epd_flask.config import ProxyConfig
-from epd_flask.connectors import get_connector
+from epd_flask.connectors import Placement, connector_class
+from epd_flask.discovery import BootstrapDiscovery
 from epd_flask.errors import ClientError, ProxyError
 from epd_flask.headers import REQUEST_ID_HEADER
 from epd_flask.pipeline import Pipeline
@@ -40,12 +41,17 @@ class Services:
     transport: Transport
     pipeline: Pipeline
     prober: Prober
+    discovery: BootstrapDiscovery | None = None
 
     def start(self) -> None:
         self.prober.start()
+        if self.discovery is not None:
+            self.discovery.start()
 
     def stop(self) -> None:
         self.prober.stop()
+        if self.discovery is not None:
+            self.discovery.stop()
         self.transport.close()
 
 
@@ -54,9 +60,16 @@ def build_services(config: ProxyConfig, roster: Roster) -> Services:
     registry = Registry(roster.instances, settings.fail_threshold, settings.evicted_ttl)
     router = Router(registry)
     transport = Transport(settings.connect_timeout, config.pool_maxsize)
-    pipeline = Pipeline(roster, registry, router, transport, get_connector(settings.connector))
+    cls = connector_class(settings.connector)
+    discovery = None
+    if cls.bootstrap:
+        discovery = BootstrapDiscovery(registry, transport, lambda: pipeline.roster.settings)
+        connector = cls(discovery.pick, discovery.ready)
+    else:
+        connector = cls(lambda exclude: Placement(router.pick("prefill", exclude)))
+    pipeline = Pipeline(roster, registry, router, transport, connector)
     prober = Prober(registry, transport, lambda: pipeline.roster.settings)
-    return Services(config, roster, registry, router, transport, pipeline, prober)
+    return Services(config, roster, registry, router, transport, pipeline, prober, discovery)
 
 
 def create_app(config: ProxyConfig | None = None, roster: Roster | None = None) -> Flask:

@@ -22,6 +22,10 @@ class ProxyConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     pool_maxsize: int = DEFAULT_POOL_MAXSIZE
     admin_api_key: str | None = None
+    # Sent as "Authorization: Bearer <key>" to prefill and decode instead of the client's own
+    # header. An environment variable, not a roster key: the roster is rewritten by the admin
+    # API and shown to operators, a secret should be neither.
+    backend_api_key: str | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> ProxyConfig:
@@ -31,6 +35,7 @@ class ProxyConfig:
             max_body_bytes=_int(env, "EPD_MAX_BODY_BYTES", DEFAULT_MAX_BODY_BYTES),
             pool_maxsize=_int(env, "EPD_POOL_MAXSIZE", DEFAULT_POOL_MAXSIZE),
             admin_api_key=env.get("ADMIN_API_KEY") or None,
+            backend_api_key=env.get("EPD_BACKEND_API_KEY") or None,
         )
 
 

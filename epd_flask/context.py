@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 logger = logging.getLogger("epd_flask.requests")
@@ -27,6 +28,9 @@ class RequestContext:
     bytes_out: int = 0
     status: int | None = None
     error: str | None = None
+    # Asks the server whether the client already hung up (it can tell, gunicorn's gevent
+    # worker can); without one, a departure is noticed at the first write.
+    client_gone: Callable[[], bool] = field(default=lambda: False, repr=False)
     _logged: bool = False
 
     def mark(self, name: str, since: float) -> None:

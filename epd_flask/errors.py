@@ -95,6 +95,14 @@ class NoBackend(ProxyError):
     code = "no_backend"
 
 
+class ClientDisconnected(ProxyError):
+    """The client went away before its answer started; nobody reads what we render."""
+
+    status = 499
+    type = "client_closed_request"
+    code = "client_closed_request"
+
+
 class BackendError(ProxyError):
     """An upstream instance failed in a way that is not the client's fault."""
 

@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Iterable, Mapping
 
 REQUEST_ID_HEADER = "X-Request-Id"
+AUTHORIZATION_HEADER = "Authorization"
 FORWARDED_REQUEST_HEADERS = frozenset({
     "accept",
     "accept-language",
@@ -47,9 +48,18 @@ def request_id(client_value: str | None) -> str:
     return uuid.uuid4().hex
 
 
-def upstream_headers(client: Iterable[tuple[str, str]], rid: str) -> dict[str, str]:
-    """Headers for every upstream call of one request: the allowlist plus our request id."""
-    out = {name: value for name, value in client if name.lower() in FORWARDED_REQUEST_HEADERS}
+def upstream_headers(client: Iterable[tuple[str, str]], rid: str,
+                     backend_api_key: str | None = None) -> dict[str, str]:
+    """Headers for every upstream call of one request: the allowlist plus our request id.
+
+    With a backend key configured, the client's ``Authorization`` (in any spelling) is dropped
+    and ours sent instead: an instance must never see two credentials, nor the client's
+    credential for the proxy when the fleet has its own.
+    """
+    out = {name: value for name, value in client if name.lower() in FORWARDED_REQUEST_HEADERS
+           and not (backend_api_key and name.lower() == "authorization")}
+    if backend_api_key:
+        out[AUTHORIZATION_HEADER] = f"Bearer {backend_api_key}"
     out[REQUEST_ID_HEADER] = rid
     return out
 

@@ -4,31 +4,48 @@ Once the status line is out, a failure can only be told inside the stream. For S
 forwards whole events (cheap: vLLM writes one event per chunk) so an error event never lands
 in the middle of a half-relayed one. The upstream response is closed on every exit, including
 the client going away (the WSGI server closes this generator), which is what frees the slot on
-the instance.
+the instance. A leg still running beside decode (Mooncake's prefill) is ended here too: given
+a moment to finish when decode completed, killed at once when the stream ended any other way.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import requests
 
 from epd_flask import errors
 from epd_flask.context import RequestContext
 from epd_flask.errors import ProxyError
+from epd_flask.legs import Call
 from epd_flask.transport import Transport
+from epd_flask.usage import USAGE_KEY
 
 logger = logging.getLogger(__name__)
 
 EVENT_END = b"\n\n"
+#: How long a side leg may still take once decode's answer is complete.
+SIDE_LEG_GRACE = 2.0
+
+
+def end_side_leg(side: Call[Any] | None, completed: bool) -> None:
+    if side is not None:
+        side.stop(SIDE_LEG_GRACE if completed else 0.0)
 
 
 def sse(transport: Transport, resp: requests.Response, ctx: RequestContext,
-        stage: str = "decode") -> Iterator[bytes]:
+        stage: str = "decode", *, chunks: Iterable[bytes] | None = None,
+        rewrite: Callable[[bytes], bytes] | None = None,
+        side: Call[Any] | None = None) -> Iterator[bytes]:
+    """Relay whole SSE events; ``chunks`` continues a body already started, ``rewrite`` edits
+    events that carry a usage object (the only ones it is called for), ``side`` is a leg that
+    must end with this stream."""
     held = b""
+    completed = False
     try:
-        for chunk in transport.iter_raw(resp, stage):
+        for chunk in transport.iter_raw(resp, stage) if chunks is None else chunks:
             if held:
                 chunk = held + chunk
                 held = b""
@@ -39,12 +56,15 @@ def sse(transport: Transport, resp: requests.Response, ctx: RequestContext,
                     continue
                 held = chunk[cut + 2:]
                 chunk = chunk[:cut + 2]
+            if rewrite is not None and USAGE_KEY in chunk:
+                chunk = rewrite(chunk)
             ctx.chunks += 1
             ctx.bytes_out += len(chunk)
             yield chunk
         if held:
             ctx.bytes_out += len(held)
             yield held
+        completed = True
         ctx.finish()
     except ProxyError as err:
         logger.warning("request %s: %s stream ended early: %s", ctx.request_id, stage, err)
@@ -55,19 +75,23 @@ def sse(transport: Transport, resp: requests.Response, ctx: RequestContext,
         raise
     finally:
         resp.close()
+        end_side_leg(side, completed)
 
 
 def raw(transport: Transport, resp: requests.Response, ctx: RequestContext,
-        stage: str = "decode") -> Iterator[bytes]:
+        stage: str = "decode", *, chunks: Iterable[bytes] | None = None,
+        side: Call[Any] | None = None) -> Iterator[bytes]:
     """Any other body (pass-through), forwarded unframed.
 
     A failure is re-raised so the server drops the connection without the final chunk: for a
     body with no in-band error format, truncation the client can detect is the honest signal.
     """
+    completed = False
     try:
-        for chunk in transport.iter_raw(resp, stage):
+        for chunk in transport.iter_raw(resp, stage) if chunks is None else chunks:
             ctx.bytes_out += len(chunk)
             yield chunk
+        completed = True
         ctx.finish()
     except ProxyError as err:
         logger.warning("request %s: %s body ended early: %s", ctx.request_id, stage, err)
@@ -78,3 +102,4 @@ def raw(transport: Transport, resp: requests.Response, ctx: RequestContext,
         raise
     finally:
         resp.close()
+        end_side_leg(side, completed)

@@ -23,7 +23,8 @@ ROSTER_ENV = "EPD_ROSTER"
 
 Role = Literal["encode", "prefill", "decode", "prefill_decode"]
 ROLES: tuple[str, ...] = ("encode", "prefill", "decode", "prefill_decode")
-ConnectorName = Literal["nixl", "none"]
+ConnectorName = Literal["nixl", "none", "mooncake", "p2p_nccl"]
+PrefillFailure = Literal["fail", "recompute"]
 
 
 class RosterError(ValueError):
@@ -60,6 +61,9 @@ class Settings(_Strict):
     """Fleet-wide behaviour; every value has a default an operator can start from."""
 
     connector: ConnectorName = "nixl"
+    # A failed prefill leg: fail the request (after decode_retries), or let decode recompute the
+    # prompt. Only connectors whose decode can serve alone (nixl, none) honour "recompute".
+    prefill_failure: PrefillFailure = "fail"
     decode_retries: int = Field(default=1, ge=0, le=10)
     probe_interval: float = Field(default=5.0, gt=0, le=3600)
     probe_timeout: float = Field(default=2.0, gt=0, le=600)
@@ -102,7 +106,19 @@ def check_rules(roster: Roster) -> None:
             "prefill_decode instances cannot be mixed with standalone prefill/decode instances "
             "in one roster; use either combined (prefill_decode) or split (prefill + decode)"
         )
+    connector = roster.settings.connector
     for inst in roster.instances:
+        if connector == "mooncake" and inst.role == "prefill" and not inst.bootstrap_url:
+            raise RosterError(
+                f"instance {inst.url}: the mooncake connector needs bootstrap_url on every "
+                "prefill (its Mooncake bootstrap server, e.g. http://host:8998)"
+            )
+        if connector == "p2p_nccl" and inst.role in ("prefill", "decode") \
+                and not inst.kv_zmq_addr:
+            raise RosterError(
+                f"instance {inst.url}: the p2p_nccl connector needs kv_zmq_addr (host:port of "
+                "its P2pNcclConnector) on every prefill and decode"
+            )
         if inst.ec_zmq_addrs is not None and len(inst.ec_zmq_addrs) != inst.dp_size:
             raise RosterError(
                 f"instance {inst.url}: ec_zmq_addrs has {len(inst.ec_zmq_addrs)} entries but "

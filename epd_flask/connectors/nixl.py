@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from epd_flask.connectors.base import Body, prime_body
+from epd_flask.connectors.base import Body, Leg, Route, SplitConnector, prime_body
 
 logger = logging.getLogger(__name__)
 
@@ -40,15 +40,16 @@ def complete_handles(params: Any) -> bool:
     )
 
 
-class NixlConnector:
+class NixlConnector(SplitConnector):
     name = "nixl"
 
-    def prefill_body(self, body: Body, request_id: str) -> Body:
+    def prefill_leg(self, body: Body, route: Route) -> Leg:
         out = prime_body(body)
         out["kv_transfer_params"] = dict(PREFILL_REQUEST_PARAMS)
-        return out
+        return Leg(out)
 
-    def decode_body(self, body: Body, prefill_reply: Body | None, request_id: str) -> Body:
+    def decode_leg(self, body: Body, route: Route, prefill_reply: Body | None) -> Leg:
+        request_id = route.request_id
         out = dict(body)
         out.pop("kv_transfer_params", None)
         params = prefill_reply.get("kv_transfer_params") if prefill_reply else None
@@ -64,4 +65,4 @@ class NixlConnector:
         else:
             logger.info("request %s: prefill returned no kv_transfer_params; decode recomputes",
                         request_id)
-        return out
+        return Leg(out)

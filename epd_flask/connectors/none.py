@@ -1,22 +1,23 @@
 """No handles at all: the connector (shared storage, LMCache) matches KV by prompt.
 
-Prefill is still primed first so the KV exists before decode looks for it.
+Prefill is still primed first so the KV exists before decode looks for it; a decode that finds
+none recomputes, so a failed prefill may fall back to decode alone.
 """
 
 from __future__ import annotations
 
-from epd_flask.connectors.base import Body, prime_body
+from epd_flask.connectors.base import Body, Leg, Route, SplitConnector, prime_body
 
 
-class NoneConnector:
+class NoneConnector(SplitConnector):
     name = "none"
 
-    def prefill_body(self, body: Body, request_id: str) -> Body:
+    def prefill_leg(self, body: Body, route: Route) -> Leg:
         out = prime_body(body)
         out.pop("kv_transfer_params", None)
-        return out
+        return Leg(out)
 
-    def decode_body(self, body: Body, prefill_reply: Body | None, request_id: str) -> Body:
+    def decode_leg(self, body: Body, route: Route, prefill_reply: Body | None) -> Leg:
         out = dict(body)
         out.pop("kv_transfer_params", None)
-        return out
+        return Leg(out)

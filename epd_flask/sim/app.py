@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from . import control, errors, pacing, roles, stream, validate, wire
+from . import control, errors, mooncake, pacing, roles, stream, validate, wire
 from .httpio import (
     SSE_HEADERS,
     StartResponse,
@@ -148,20 +148,33 @@ class SimApp:
             state.engine_dead = True
             return result
         cfg = state.config
+        ttft = cfg.ttft
+        if answer.pull is not None:
+            # The decode's own TTFT runs while it waits for the KV: the first token comes at
+            # whichever is later, as when a real decode is busy while the prefill computes.
+            outcome, waited = mooncake.pull(answer.pull, sock, cfg.kv_timeout)
+            failed = self._pulled(outcome, sock, start_response)
+            if failed is not None:
+                return failed
+            ttft = max(0.0, ttft - waited)
         fp = wire.fingerprint(state.engine_id)
         if req.stream:
             events = stream.plan_events(
                 answer, chat=req.chat, include_usage=req.include_usage, model=cfg.model,
-                fingerprint=fp, ttft=cfg.ttft, token_delay=cfg.token_delay)
+                fingerprint=fp, ttft=ttft, token_delay=cfg.token_delay)
             drop_after = state.take_drop()
             start_response(status_line(200), list(SSE_HEADERS))
             return stream.StreamBody(events, state, sock, drop_after,
                                      environ.get("sim.flush_headers"))
         steps = max((len(p) for p in answer.pieces), default=0)
-        if pacing.wait_or_gone(sock, cfg.ttft + cfg.token_delay * max(steps - 1, 0)):
+        if pacing.wait_or_gone(sock, ttft + cfg.token_delay * max(steps - 1, 0)):
             state.abort(stream=False)
             pacing.hang_up(sock)
+            if answer.transfer_id is not None:
+                state.transfers.settle(answer.transfer_id, ok=False)
             return json_response(start_response, 499, {"error": "client gone"})
+        if answer.transfer_id is not None:
+            state.transfers.settle(answer.transfer_id, ok=True)
         build = wire.chat_response if req.chat else wire.completion_response
         return json_response(start_response, 200, build(
             request_id=answer.request_id,
@@ -175,6 +188,25 @@ class SimApp:
             kv_transfer_params=answer.kv_transfer_params,
             ec_transfer_params=answer.ec_transfer_params,
         ))
+
+    def _pulled(self, outcome: str, sock: Any | None,
+                start_response: StartResponse) -> WSGIResult | None:
+        """Account for a Mooncake pull; a response if the request ends here, else None."""
+        state = self.state
+        if outcome == mooncake.PULLED:
+            state.count("kv_handles_mooncake")
+        elif outcome == mooncake.INVALID:
+            state.count("kv_handles_invalid")  # nothing to pull: recompute, as a real one would
+        elif outcome == mooncake.GONE:
+            state.abort(stream=False)
+            pacing.hang_up(sock)
+            return json_response(start_response, 499, {"error": "client gone"})
+        else:
+            state.count(f"kv_transfers_{outcome}")
+            return self._error(start_response, errors.SimError(
+                500, f"KV transfer {outcome.replace('_', ' ')}: the prefill never delivered "
+                "the KV for this request"))
+        return None
 
     def _dp_rank(self, environ: dict[str, Any]) -> int:
         raw = environ.get(DP_RANK_HEADER)

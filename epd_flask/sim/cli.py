@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bootstrap-port", type=int, default=None,
                    help="prefill only: run a Mooncake bootstrap server (GET /query) on this "
                    "port (0: any free port) and imitate MooncakeConnector instead of NIXL")
+    p.add_argument("--kv-timeout-ms", type=float, default=30000.0,
+                   help="Mooncake decode: milliseconds to wait for the prefill's KV before "
+                   "answering 500 (default: %(default)s)")
     p.add_argument("--ec-metadata", choices=EC_METADATA_MODES, default="grid",
                    help="encoder metadata per item: a plausible image grid, or {} as real "
                    "LLaVA sends (default: %(default)s)")
@@ -72,7 +75,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         token_delay=args.token_delay_ms / MS, output_tokens=args.output_tokens,
         secret=args.secret, engine_id=args.engine_id, dp_size=args.dp_size,
         bootstrap_port=args.bootstrap_port, record_limit=args.record_limit,
-        ec_metadata=args.ec_metadata,
+        ec_metadata=args.ec_metadata, kv_timeout=args.kv_timeout_ms / MS,
     )
 
 

@@ -22,7 +22,7 @@ DEFAULT_SIDE_CHANNEL_PORT = 5600
 #: Knobs that ``SimState.configure`` and ``POST /sim/config`` may change on a running server.
 LIVE_KNOBS = frozenset(
     {"ttft", "token_delay", "output_tokens", "max_model_len", "ec_metadata", "model",
-     "record_health"}
+     "record_health", "kv_timeout"}
 )
 
 
@@ -50,6 +50,8 @@ class SimConfig:
     side_channel_port: int = DEFAULT_SIDE_CHANNEL_PORT
     # Probes would otherwise flood the bounded request record and push out completions.
     record_health: bool = False
+    # A Mooncake decode waits this long for its KV before failing the request with a 500.
+    kv_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -92,7 +94,7 @@ def _int_at_least(name: str, value: Any, floor: int) -> int:
 
 def coerce_knob(name: str, value: Any) -> Any:
     """Check one live knob's value; raises ValueError with a message fit for an HTTP 400."""
-    if name in ("ttft", "token_delay"):
+    if name in ("ttft", "token_delay", "kv_timeout"):
         return _non_negative_float(name, value)
     if name == "output_tokens":
         return _int_at_least(name, value, 0)

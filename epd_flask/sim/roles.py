@@ -26,6 +26,10 @@ class Answer:
     cached_tokens: int = 0
     kv_transfer_params: dict[str, Any] | None = None
     ec_transfer_params: dict[str, Any] | None = None
+    # Mooncake prefill: the transfer whose KV this answer computes (settled once it is sent).
+    transfer_id: str | None = None
+    # Mooncake decode: the handle to pull KV with before the first token.
+    pull: dict[str, Any] | None = None
 
     @property
     def completion_tokens(self) -> int:
@@ -67,7 +71,12 @@ def _prefill(req: Request, state: SimState, rank: int, request_id: str) -> Answe
         return answer  # real vLLM sends no kv_transfer_params in any SSE chunk
     state.count("kv_handles_issued")
     if cfg.kv_connector == "mooncake":
-        return answer  # Mooncake: the router builds the decode's params itself
+        # The router builds the decode's params itself; we only promise KV for its transfer id.
+        transfer_id = (req.kv_params or {}).get("transfer_id")
+        if isinstance(transfer_id, str) and transfer_id:
+            state.transfers.open(transfer_id, state.rank_engine_ids[rank], rank)
+            answer.transfer_id = transfer_id
+        return answer
     num_tokens = req.prompt_tokens[-1]  # several prompts: vLLM returns the last one's params
     answer.kv_transfer_params = handles.nixl_params(
         secret=cfg.secret,
@@ -85,10 +94,14 @@ def _prefill(req: Request, state: SimState, rank: int, request_id: str) -> Answe
 
 def _decode(req: Request, state: SimState, request_id: str) -> Answer:
     verdict = handles.classify(state.config.secret, req.kv_params, req.prompt_tokens[-1])
-    state.count(f"kv_handles_{verdict}")
+    if verdict != handles.MOONCAKE:  # a Mooncake handle is judged by the pull itself
+        state.count(f"kv_handles_{verdict}")
     if verdict == handles.INCOMPLETE:
         raise IncompleteHandle(str(sorted(req.kv_params or {})))
-    return _generate(req, *_token_budget(req, state), request_id)
+    answer = _generate(req, *_token_budget(req, state), request_id)
+    if verdict == handles.MOONCAKE:
+        answer.pull = dict(req.kv_params or {})
+    return answer
 
 
 def _encode(req: Request, state: SimState, request_id: str) -> Answer:

@@ -93,8 +93,8 @@ class SimServer:
         self._server.start()
         if cfg.bootstrap_port is not None and cfg.role == "prefill":
             self._bootstrap = _wsgi_server(
-                cfg.host, cfg.bootstrap_port, BootstrapApp(self.state.rank_engine_ids),
-                "bootstrap")
+                cfg.host, cfg.bootstrap_port,
+                BootstrapApp(self.state.rank_engine_ids, self.state.transfers), "bootstrap")
             self._bootstrap.start()
         self._stopped.clear()
         logger.info("sim %s (%s) listening on %s, engine %s%s", cfg.role, cfg.model, self.url,

@@ -14,6 +14,7 @@ from typing import Any
 
 from .config import LIVE_KNOBS, SimConfig, coerce_knob
 from .kvcache import BlockAllocator, PrefixCache
+from .transfers import TransferBook
 
 DEFAULT_FAIL_STATUS = 500
 #: Distinct paths counted one by one; a scanner's random paths end up under "other".
@@ -36,6 +37,8 @@ COUNTERS = (
     "kv_handles_incomplete",
     "kv_handles_mooncake",
     "kv_handles_issued",
+    "kv_transfers_timed_out",
+    "kv_transfers_aborted",
     "prefix_cached_tokens",
     "items_encoded",
     "ec_pushes",
@@ -68,6 +71,7 @@ class SimState:
         self.started_at = time.time()
         self.prefix_cache = PrefixCache()
         self.blocks = BlockAllocator()
+        self.transfers = TransferBook()
         self._records: deque[dict[str, Any]] = deque(maxlen=self.config.record_limit)
         self.reset()
 
@@ -141,6 +145,7 @@ class SimState:
         self._records.clear()
         self.prefix_cache.clear()
         self.blocks.reset()
+        self.transfers.clear()
 
     # -- used by the app --------------------------------------------------------------------
 

@@ -1,14 +1,16 @@
-"""The P1 prefill body and the NIXL/none decode bodies, as pure functions."""
+"""Every connector's leg bodies and headers, as pure functions (P1, P2, P3, P2P NCCL)."""
 
 from __future__ import annotations
 
 import copy
 import logging
+import re
 
 import pytest
 
-from epd_flask.connectors import get_connector, prime_body
+from epd_flask.connectors import CONNECTORS, Placement, get_connector, prime_body
 from epd_flask.connectors.nixl import complete_handles
+from epd_flask.roster import Instance
 
 CHAT = {
     "model": "tiny-llama",
@@ -24,6 +26,19 @@ HANDLES = {
     "remote_request_id": "cmpl-b10ac896ac4a061b-0-98623f46", "remote_host": "localhost",
     "remote_port": 5600, "tp_size": 1, "remote_num_tokens": 81,
 }
+ENGINE = "7e353bae-55be-4d98-bec2-c552d3f1625f"
+PREFILL = Instance(role="prefill", url="http://p:8100", bootstrap_url="http://p:8998",
+                   kv_zmq_addr="10.0.0.1:21001")
+DECODE = Instance(role="decode", url="http://d:8200", kv_zmq_addr="10.0.0.2:22001")
+
+
+def connector(name: str, rank: int | None = None, engine: str | None = None):
+    return get_connector(name, lambda exclude: Placement(PREFILL, rank, engine))
+
+
+def route_of(name: str, attempt: int = 0, rank: int | None = None) -> tuple:
+    conn = connector(name, rank, ENGINE if rank is not None else None)
+    return conn, conn.route(DECODE, "rid-1", attempt, frozenset())
 
 
 @pytest.mark.parametrize(
@@ -33,38 +48,59 @@ HANDLES = {
         ({"max_completion_tokens": 200}, {"max_completion_tokens": 1}),
         ({"min_tokens": 5}, {"min_tokens": 1}),
         ({"min_tokens": 0}, {"min_tokens": 0}),
+        ({"min_tokens": 1}, {"min_tokens": 1}),
         ({"min_completion_tokens": 9}, {"min_completion_tokens": 1}),
         ({"stream": False, "max_tokens": None}, {"stream": False, "max_tokens": 1}),
     ],
 )
-def test_prime_body_follows_p1(extra: dict, expected: dict) -> None:
+@pytest.mark.parametrize("name", sorted(CONNECTORS))
+def test_every_prefill_leg_follows_p1(name: str, extra: dict, expected: dict) -> None:
     body = {**CHAT, **extra}
-    primed = prime_body(body)
+    conn, route = route_of(name, rank=0)
+    primed = conn.prefill_leg(body, route).body
     for key, value in expected.items():
         assert primed[key] == value
     assert "stream_options" not in primed
-    assert primed["messages"] == CHAT["messages"]
-    assert primed["temperature"] == 0
+    assert primed["messages"] == CHAT["messages"] and primed["temperature"] == 0
+    assert {k: v for k, v in primed.items() if k != "kv_transfer_params"} == {
+        k: v for k, v in prime_body(body).items() if k != "kv_transfer_params"}
 
 
-def test_prime_body_never_mutates_the_client_body() -> None:
-    body = copy.deepcopy(CHAT)
-    get_connector("nixl").prefill_body(body, "rid")
-    assert body == CHAT
+@pytest.mark.parametrize("name", sorted(CONNECTORS))
+def test_decode_leg_keeps_the_clients_generation_settings(name: str) -> None:
+    body = {**CHAT, "max_completion_tokens": 50, "min_tokens": 3, "min_completion_tokens": 4}
+    conn, route = route_of(name, rank=0)
+    out = conn.decode_leg(body, route, {"kv_transfer_params": HANDLES}).body
+    assert (out["stream"], out["max_tokens"], out["max_completion_tokens"]) == (True, 64, 50)
+    assert (out["min_tokens"], out["min_completion_tokens"]) == (3, 4)
+    assert out["stream_options"] == {"include_usage": True}
+
+
+@pytest.mark.parametrize("name", sorted(CONNECTORS))
+def test_no_leg_mutates_the_client_body(name: str) -> None:
+    body = copy.deepcopy({**CHAT, "kv_transfer_params": {"x": 1}})
+    conn, route = route_of(name, rank=0)
+    conn.prefill_leg(body, route)
+    conn.decode_leg(body, route, {"kv_transfer_params": HANDLES})
+    assert body == {**CHAT, "kv_transfer_params": {"x": 1}}
 
 
 def test_prime_body_does_not_invent_max_completion_tokens() -> None:
     assert "max_completion_tokens" not in prime_body(CHAT)
+    assert "min_tokens" not in prime_body(CHAT)
 
 
 def test_nixl_prefill_asks_for_remote_decode() -> None:
-    out = get_connector("nixl").prefill_body(CHAT, "rid")
-    assert out["kv_transfer_params"]["do_remote_decode"] is True
-    assert out["kv_transfer_params"]["do_remote_prefill"] is False
+    conn, route = route_of("nixl")
+    leg = conn.prefill_leg(CHAT, route)
+    assert leg.body["kv_transfer_params"]["do_remote_decode"] is True
+    assert leg.body["kv_transfer_params"]["do_remote_prefill"] is False
+    assert leg.headers == {}
 
 
 def test_nixl_decode_gets_complete_handles_verbatim() -> None:
-    out = get_connector("nixl").decode_body(CHAT, {"kv_transfer_params": HANDLES}, "rid")
+    conn, route = route_of("nixl")
+    out = conn.decode_leg(CHAT, route, {"kv_transfer_params": HANDLES}).body
     assert out["kv_transfer_params"] == HANDLES
     assert out["stream"] is True and out["max_tokens"] == 64
     assert "kv_transfer_params" not in CHAT
@@ -76,8 +112,10 @@ def test_nixl_decode_drops_incomplete_handles(missing: str, caplog: pytest.LogCa
                                               ) -> None:
     partial = {k: v for k, v in HANDLES.items() if k != missing}
     assert not complete_handles(partial)
+    conn = connector("nixl")
+    route = conn.route(DECODE, "r-1", 0, frozenset())
     with caplog.at_level(logging.WARNING, logger="epd_flask"):
-        out = get_connector("nixl").decode_body(CHAT, {"kv_transfer_params": partial}, "r-1")
+        out = conn.decode_leg(CHAT, route, {"kv_transfer_params": partial}).body
     assert "kv_transfer_params" not in out
     assert missing in caplog.text and "r-1" in caplog.text
 
@@ -85,26 +123,62 @@ def test_nixl_decode_drops_incomplete_handles(missing: str, caplog: pytest.LogCa
 @pytest.mark.parametrize("reply", [None, {}, {"kv_transfer_params": None},
                                    {"kv_transfer_params": "junk"}])
 def test_nixl_decode_without_handles_recomputes(reply: dict | None) -> None:
-    out = get_connector("nixl").decode_body(CHAT, reply, "rid")
-    assert "kv_transfer_params" not in out
+    conn, route = route_of("nixl")
+    assert "kv_transfer_params" not in conn.decode_leg(CHAT, route, reply).body
 
 
 def test_client_supplied_kv_params_never_reach_decode_unchecked() -> None:
     body = {**CHAT, "kv_transfer_params": {"do_remote_prefill": True}}
-    out = get_connector("nixl").decode_body(body, None, "rid")
-    assert "kv_transfer_params" not in out
+    conn, route = route_of("nixl")
+    assert "kv_transfer_params" not in conn.decode_leg(body, route, None).body
 
 
 def test_none_connector_sends_no_handles() -> None:
-    conn = get_connector("none")
+    conn, route = route_of("none")
     body = {**CHAT, "kv_transfer_params": {"x": 1}}
-    assert "kv_transfer_params" not in conn.prefill_body(body, "rid")
-    assert conn.prefill_body(body, "rid")["max_tokens"] == 1
-    decode = conn.decode_body(body, {"kv_transfer_params": HANDLES}, "rid")
-    assert "kv_transfer_params" not in decode
-    assert decode["messages"] == CHAT["messages"]
+    assert "kv_transfer_params" not in conn.prefill_leg(body, route).body
+    decode = conn.decode_leg(body, route, {"kv_transfer_params": HANDLES})
+    assert "kv_transfer_params" not in decode.body and decode.headers == {}
+    assert decode.body["messages"] == CHAT["messages"]
+    assert conn.recomputes and not conn.concurrent
+
+
+def test_mooncake_legs_meet_on_one_transfer_id() -> None:
+    conn, route = route_of("mooncake", rank=1)
+    assert conn.concurrent and not conn.recomputes
+    prefill = conn.prefill_leg({**CHAT, "kv_transfer_params": {"x": 1}}, route)
+    decode = conn.decode_leg({**CHAT, "kv_transfer_params": {"x": 1}}, route, None)
+    assert prefill.body["kv_transfer_params"] == {
+        "do_remote_decode": True, "do_remote_prefill": False, "transfer_id": "xfer-rid-1"}
+    assert prefill.headers == {"X-data-parallel-rank": "1"}
+    assert decode.body["kv_transfer_params"] == {
+        "do_remote_decode": False, "do_remote_prefill": True, "remote_engine_id": ENGINE,
+        "remote_bootstrap_addr": "http://p:8998", "transfer_id": "xfer-rid-1"}
+    assert decode.headers == {}
+    assert decode.body["stream"] is True and decode.body["max_tokens"] == 64
+
+
+def test_mooncake_retry_gets_a_fresh_transfer_id() -> None:
+    conn, route = route_of("mooncake", attempt=2, rank=0)
+    ids = {conn.prefill_leg(CHAT, route).body["kv_transfer_params"]["transfer_id"],
+           conn.decode_leg(CHAT, route, None).body["kv_transfer_params"]["transfer_id"]}
+    assert ids == {"xfer-rid-1-retry2"}
+
+
+def test_p2p_nccl_request_id_names_both_kv_addresses() -> None:
+    conn, route = route_of("p2p_nccl")
+    assert not conn.recomputes and not conn.concurrent
+    prefill = conn.prefill_leg({**CHAT, "kv_transfer_params": {"x": 1}}, route)
+    decode = conn.decode_leg({**CHAT, "kv_transfer_params": {"x": 1}}, route, None)
+    rid = prefill.headers["X-Request-Id"]
+    assert decode.headers == {"X-Request-Id": rid}
+    assert re.fullmatch(r"___prefill_addr_10\.0\.0\.1:21001___decode_addr_10\.0\.0\.2:22001_"
+                        r"[0-9a-f]{32}", rid)
+    assert "kv_transfer_params" not in prefill.body and "kv_transfer_params" not in decode.body
+    again = conn.route(DECODE, "rid-1", 1, frozenset())
+    assert again.request_id != route.request_id  # a retry never reuses a failed try's id
 
 
 def test_unknown_connector_is_refused() -> None:
     with pytest.raises(ValueError, match="not available"):
-        get_connector("carrier-pigeon")
+        get_connector("carrier-pigeon", lambda exclude: Placement(PREFILL))

@@ -1,0 +1,83 @@
+"""The usage a client is billed by: the prompt tokens prefill found in its prefix cache.
+
+In P+D the prefix cache that matters is prefill's, yet the usage the client sees is decode's,
+which knows nothing of it. Prefill reports its hits (``usage.prompt_tokens_details
+.cached_tokens``, or NIXL's ``remote_prefill_cached_tokens``); these pure functions write that
+number into decode's usage, in a JSON body or in the SSE events of a stream. Stream events
+without a usage object are passed through untouched after one substring test.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+USAGE_KEY = b'"usage"'
+DATA_PREFIX = b"data: "
+EVENT_END = b"\n\n"
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def prefill_cached_tokens(reply: dict[str, Any] | None) -> int:
+    """Prompt tokens prefill served from its prefix cache, as it reported them (0: none)."""
+    if not isinstance(reply, dict):
+        return 0
+    found = 0
+    usage = reply.get("usage")
+    if isinstance(usage, dict):
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict):
+            found = _count(details.get("cached_tokens"))
+    params = reply.get("kv_transfer_params")
+    if isinstance(params, dict):
+        found = max(found, _count(params.get("remote_prefill_cached_tokens")))
+    return found
+
+
+def set_cached_tokens(doc: Any, cached: int) -> bool:
+    """Write ``cached`` into ``doc["usage"]["prompt_tokens_details"]``; False if no usage."""
+    if not isinstance(doc, dict):
+        return False
+    usage = doc.get("usage")
+    if not isinstance(usage, dict):
+        return False
+    details = usage.get("prompt_tokens_details")
+    details = dict(details) if isinstance(details, dict) else {}
+    details["cached_tokens"] = cached
+    usage["prompt_tokens_details"] = details
+    return True
+
+
+def _encode(doc: Any) -> bytes:
+    return json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+def rewrite_body(data: bytes, cached: int) -> bytes:
+    """A JSON completion body with prefill's cache hits in its usage (unchanged if none)."""
+    if cached <= 0 or USAGE_KEY not in data:
+        return data
+    try:
+        doc = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        return data
+    return _encode(doc) if set_cached_tokens(doc, cached) else data
+
+
+def rewrite_events(chunk: bytes, cached: int) -> bytes:
+    """Whole SSE events with prefill's cache hits in any usage object they carry."""
+    if cached <= 0 or USAGE_KEY not in chunk:
+        return chunk
+    events = chunk.split(EVENT_END)
+    for i, event in enumerate(events):
+        if USAGE_KEY not in event or not event.startswith(DATA_PREFIX):
+            continue
+        try:
+            doc = json.loads(event[len(DATA_PREFIX):])
+        except (ValueError, UnicodeDecodeError):
+            continue
+        if set_cached_tokens(doc, cached):
+            events[i] = DATA_PREFIX + _encode(doc)
+    return EVENT_END.join(events)
