@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import gevent
 import pytest
 import requests
 
@@ -205,3 +206,33 @@ def test_dp_rank_header(start_sim):
                         headers={"x-data-parallel-rank": "2"}, timeout=5)
     assert bad.status_code == 400
     assert p.state.stats()["dp_ranks"] == {"1": 1}
+
+
+def test_mooncake_decode_waits_for_the_prefill_it_was_pointed_at(start_sim):
+    """Decode may arrive first; it pulls once that prefill settled the same transfer id."""
+    p = start_sim(role="prefill", bootstrap_port=0, ttft=0.2)
+    d = start_sim(role="decode", kv_timeout=2.0)
+    engine = requests.get(p.bootstrap_url + "/query", timeout=5).json()["0"]["engine_id"]
+    params = {"do_remote_decode": False, "do_remote_prefill": True, "remote_engine_id": engine,
+              "remote_bootstrap_addr": p.bootstrap_url, "transfer_id": "xfer-early"}
+    early = gevent.spawn(_decode, d.url, params)
+    gevent.sleep(0.05)
+    assert not early.ready()  # no prefill has seen xfer-early yet
+    _prefill(p.url, kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False,
+                                        "transfer_id": "xfer-early"})
+    assert early.get(timeout=5).status_code == 200
+    assert d.state.stats()["kv_handles_mooncake"] == 1
+
+
+def test_mooncake_decode_with_a_transfer_nobody_computes_times_out(start_sim):
+    p = start_sim(role="prefill", bootstrap_port=0)
+    d = start_sim(role="decode", kv_timeout=0.3)
+    engine = requests.get(p.bootstrap_url + "/query", timeout=5).json()["0"]["engine_id"]
+    params = {"do_remote_decode": False, "do_remote_prefill": True, "remote_engine_id": engine,
+              "remote_bootstrap_addr": p.bootstrap_url, "transfer_id": "xfer-never"}
+    r = _decode(d.url, params)
+    assert r.status_code == 500 and "KV transfer" in r.json()["error"]["message"]
+    assert d.state.stats()["kv_transfers_timed_out"] == 1
+    other = start_sim(role="prefill", bootstrap_port=0)  # an engine id this bootstrap never issued
+    wrong = _decode(d.url, {**params, "remote_bootstrap_addr": other.bootstrap_url})
+    assert wrong.status_code == 200 and d.state.stats()["kv_handles_invalid"] == 1

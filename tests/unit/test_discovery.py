@@ -1,0 +1,67 @@
+"""Mooncake bootstrap answers and the (prefill, rank) rotation, without a network."""
+
+from __future__ import annotations
+
+import pytest
+
+from epd_flask.discovery import BootstrapAnswerError, BootstrapDiscovery, Engines, parse_query
+from epd_flask.registry import Registry
+from epd_flask.roster import Instance, Settings
+
+P1 = Instance(role="prefill", url="http://p1:8100", bootstrap_url="http://p1:8998")
+P2 = Instance(role="prefill", url="http://p2:8100", bootstrap_url="http://p2:8998")
+D = Instance(role="decode", url="http://d:8200")
+
+
+def test_parse_todays_shape_by_rank() -> None:
+    doc = {"1": {"engine_id": "e1", "worker_addr": {}}, "0": {"engine_id": "e0"}}
+    assert parse_query(doc) == ("e0", "e1")
+
+
+def test_parse_older_shape_keyed_by_engine_id() -> None:
+    assert parse_query({"e-a": {"0": {"0": "tcp://h:1"}}, "e-b": {}}) == ("e-a", "e-b")
+    assert parse_query({"e-a": {"dp_rank": 1}, "e-b": {"dp_rank": 0}}) == ("e-b", "e-a")
+
+
+@pytest.mark.parametrize("doc", [{}, [], None, {"0": {"engine_id": "a"}, "2": {"engine_id": "b"}},
+                                 {"0": {"worker_addr": {}}}, {"0": "e"}])
+def test_unusable_answers_are_refused(doc) -> None:
+    with pytest.raises(BootstrapAnswerError):
+        parse_query(doc)
+
+
+def discovery(*engines: tuple[Instance, tuple[str, ...]]) -> BootstrapDiscovery:
+    registry = Registry([P1, P2, D])
+    found = BootstrapDiscovery(registry, transport=None, settings=Settings)  # type: ignore[arg-type]
+    for inst, ids in engines:
+        found._engines[inst.url] = Engines(inst.bootstrap_url or "", ids)
+    return found
+
+
+def test_round_robin_over_prefill_rank_pairs() -> None:
+    found = discovery((P1, ("a0", "a1")), (P2, ("b0",)))
+    picks = [(p.instance.url, p.dp_rank, p.engine_id) for p in (found.pick() for _ in range(4))]
+    assert picks == [(P1.url, 0, "a0"), (P1.url, 1, "a1"), (P2.url, 0, "b0"), (P1.url, 0, "a0")]
+    assert {found.pick(frozenset({P1.url})).instance.url for _ in range(3)} == {P2.url}
+
+
+def test_ready_only_when_every_live_prefill_is_discovered() -> None:
+    found = discovery((P1, ("a0",)))
+    ok, reason = found.ready()
+    assert not ok and P2.url in reason
+    for _ in range(3):
+        found.registry.record_failure(P2.url, "down")  # evicted: no longer awaited
+    assert found.ready() == (True, "ok")
+    assert all(p.instance.url == P1.url for p in found.placements())
+
+
+def test_a_rejoined_prefill_takes_no_traffic_until_asked_again() -> None:
+    found = discovery((P1, ("a0",)), (P2, ("b0",)))
+    for _ in range(3):
+        found.registry.record_failure(P2.url, "down")
+    found._was_live = {P1.url: True, P2.url: False}
+    found._asked_at = {P1.url: float("inf"), P2.url: float("inf")}
+    found.registry.record_success(P2.url)
+    found._pool.map = lambda fn, items: None  # no network: only the bookkeeping is under test
+    found.refresh_due()
+    assert [p.engine_id for p in found.placements()] == ["a0"]
