@@ -25,6 +25,7 @@ class RequestContext:
     failed: set[str] = field(default_factory=set)
     retries: int = 0
     chunks: int = 0
+    bytes_in: int = 0
     bytes_out: int = 0
     status: int | None = None
     error: str | None = None
@@ -47,6 +48,8 @@ class RequestContext:
         if error is not None:
             self.error = error
         self.mark("total", self.started)
+        if not logger.isEnabledFor(logging.INFO):
+            return
         stages = " ".join(f"{k}_ms={v}" for k, v in self.timings.items())
         chosen = " ".join(f"{k}={v}" for k, v in self.instances.items())
         logger.info(

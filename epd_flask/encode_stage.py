@@ -7,7 +7,6 @@ fails the request before any prefill or decode call (M4) and is not retried else
 
 from __future__ import annotations
 
-import json
 import logging
 import secrets
 import time
@@ -15,7 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from epd_flask import multimodal
+from epd_flask import cooperate, jsoncodec, multimodal
 from epd_flask.context import RequestContext
 from epd_flask.errors import BackendError, BackendStatus
 from epd_flask.fanout import ENCODE_STAGE, EncoderCall, Fanout
@@ -53,6 +52,7 @@ class EncodeStage:
         items = multimodal.extract(body)
         if not items or not self.registry.instances("encode"):
             return Staged(body)
+        cooperate.after_step(ctx.bytes_in)  # extracting hashed every item's content
         started = time.monotonic()
         targets = self.router.pick_many("encode", len(items))
         consumer_zmq, headers = self._pin_replica(consumer)
@@ -122,7 +122,7 @@ def _reported(raw: bytes, call: EncoderCall, ctx: RequestContext) -> Any:
     """The encoder's ``ec_transfer_params``; an unreadable answer reports nothing, so its
     items stay raw media and the next stage encodes them itself."""
     try:
-        doc = json.loads(raw)
+        doc = jsoncodec.loads(raw)
     except ValueError:
         logger.warning("request %s: encoder %s answered non-JSON; its items stay raw",
                        ctx.request_id, call.target.url)

@@ -9,7 +9,6 @@ connector shapes the legs and says how they run: prefill drained before decode o
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import time
 from collections import Counter
@@ -20,7 +19,7 @@ from typing import Any
 
 import requests
 
-from epd_flask import legs, relay, usage
+from epd_flask import jsoncodec, legs, relay, usage
 from epd_flask.connectors import Connector, Leg, Route
 from epd_flask.context import RequestContext
 from epd_flask.encode_stage import EncodeStage
@@ -168,7 +167,7 @@ class Pipeline:
             raise
         ctx.mark("prefill", started)
         try:
-            answer = json.loads(raw)
+            answer = jsoncodec.loads(raw)
         except ValueError:
             raise BackendError(f"prefill instance {target.url} answered non-JSON",
                                stage="prefill", instance=target.url) from None

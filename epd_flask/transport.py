@@ -7,7 +7,6 @@ Responses are left unread (``stream=True``) so the relay can forward bytes as th
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -16,7 +15,7 @@ import requests
 import urllib3
 from requests.adapters import HTTPAdapter
 
-from epd_flask import __version__
+from epd_flask import __version__, cooperate, jsoncodec
 from epd_flask.errors import (
     BackendError,
     BackendStatus,
@@ -138,7 +137,9 @@ class Transport:
 
 
 def encode_json(doc: Any) -> bytes:
-    return json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    data = jsoncodec.dumps(doc)
+    cooperate.after_step(len(data))
+    return data
 
 
 def _origin(url: str) -> str:

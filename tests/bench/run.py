@@ -37,6 +37,7 @@ import report
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 LOADGEN = Path(__file__).resolve().parent / "loadgen.py"
+GUNICORN_CONF = Path(__file__).resolve().parent / "gunicorn_bench.conf.py"
 CHAT = "/v1/chat/completions"
 MODEL = "tiny-llama"
 START_TIMEOUT = 30.0
@@ -79,6 +80,8 @@ class Workload:
     deadline: float = 60.0
     # Knobs per encoder (the rest get ttft 0); None: all at zero latency.
     encoders: list[dict[str, Any]] | None = None
+    # Record how long epd-flask's event loop was held (gunicorn_bench.conf.py's probe).
+    stall_probe: bool = False
 
 
 @dataclass
@@ -190,7 +193,8 @@ def build_workloads(quick: bool, workdir: Path) -> list[Workload]:
                  [{"name": "d-streams", "path": CHAT, "body": chat_body(200, True),
                    "concurrency": 100, "requests": 100, "ramp": 0.5},
                   {"name": "d-big", "path": CHAT, "body_file": big,
-                   "concurrency": 1, "requests": 5, "delay": 1.5}], repeats=1),
+                   "concurrency": 1, "requests": 5, "delay": 1.5}], repeats=1,
+                 stall_probe=True),
         Workload("d-alone", "the 4 MB request alone, one after the other (its own proxy CPU)",
                  {"token_delay": 0.0, "output_tokens": 16},
                  [{"name": "d-alone", "path": CHAT, "body_file": big,
@@ -225,6 +229,18 @@ def run_loadgen(url: str, workload: Workload) -> tuple[dict[str, Any], float]:
     if proc.returncode != 0:
         raise RuntimeError(f"load generator failed: {err.decode(errors='replace')[-2000:]}")
     return json.loads(out), usage.ru_utime + usage.ru_stime
+
+
+def read_stalls(log: Path, since: float) -> list[float]:
+    """CPU milliseconds the worker's loop was held, each stretch over the probe's threshold."""
+    if not log.exists():
+        return []
+    out = []
+    for line in log.read_text().splitlines():
+        stamp, ms = line.split()
+        if float(stamp) >= since:
+            out.append(float(ms))
+    return out
 
 
 def start_profiler(target: Target, out: Path) -> subprocess.Popen[bytes] | None:
@@ -334,14 +350,16 @@ def main(argv: list[str] | None = None) -> int:
             + f"  - {{role: prefill, url: \"{prefill}\"}}\n"
             f"  - {{role: decode, url: \"{decode}\"}}\n")
         targets: list[Target] = []
+        stall_flag, stall_log = workdir / "stall-probe-on", workdir / "stalls.log"
         if "direct" in targets_wanted:
             targets.append(Target("direct", decode, []))
         if "epd-flask" in targets_wanted:
             port = free_port()
-            proc = fleet.spawn("epd-flask", [str(BIN / "gunicorn"), "-c", "etc/gunicorn.conf.py",
+            proc = fleet.spawn("epd-flask", [str(BIN / "gunicorn"), "-c", str(GUNICORN_CONF),
                                              "wsgi:app"], env={
                 "EPD_WORKERS": "1", "EPD_BIND": f"127.0.0.1:{port}", "EPD_ROSTER": str(roster),
-                "EPD_LOG_LEVEL": "warning"})
+                "EPD_LOG_LEVEL": "warning", "EPD_BENCH_STALL_FLAG": str(stall_flag),
+                "EPD_BENCH_STALL_LOG": str(stall_log)})
             url = f"http://127.0.0.1:{port}"
             wait_up(url + "/ready", proc)
             targets.append(Target("epd-flask", url, [proc.pid]))
@@ -369,7 +387,15 @@ def main(argv: list[str] | None = None) -> int:
                 for target in targets:
                     prof = (Path(args.profile) / f"{wl.name}-{rep + 1}.txt"
                             if args.profile and target.name == "epd-flask" else None)
+                    probe = wl.stall_probe and target.name == "epd-flask"
+                    if probe:
+                        stall_flag.touch()
+                        time.sleep(0.3)  # the probe notices the flag
+                    started_at = time.time()
                     run = measure(target, sims, wl, prof)
+                    if probe:
+                        stall_flag.unlink()
+                        run["stalls_ms"] = read_stalls(stall_log, started_at)
                     runs[target.name].append(run)
                     print(report.progress_line(wl.name, rep, run), file=sys.stderr, flush=True)
             results.append({"workload": wl.name, "what": wl.what, "runs": runs})
