@@ -3,6 +3,7 @@ worker exactly as operators run it, all on free loopback ports, all stopped afte
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -55,9 +56,17 @@ class Process:
         return self.log.read_text(errors="replace")[-3000:] if self.log and self.log.exists() \
             else ""
 
+    def terminate(self) -> None:
+        """Ask the process to stop gracefully, without waiting. Only the main process is
+        signalled (as systemd's KillMode=mixed does): a gunicorn worker that gets SIGTERM
+        from outside exits early, and a master busy in a reload would start another one."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGTERM)
+
     def stop(self) -> None:
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.terminate()
             try:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
@@ -65,32 +74,46 @@ class Process:
                 self.proc.wait(5)
 
 
-@pytest.fixture
-def procs(tmp_path: Path) -> Iterator[dict[str, Callable[..., Process]]]:
-    started: list[Process] = []
+class Launcher:
+    """Starts simulators and gunicorn masters on free ports, logs under ``log_dir``; stops
+    them all at once (SIGTERM to every process first, so their graceful waits overlap)."""
 
-    def sim(role: str, *args: str) -> Process:
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.started: list[Process] = []
+
+    def sim(self, role: str, *args: str) -> Process:
         port = free_port()
         p = Process([sys.executable, "-m", "epd_flask.sim.cli", "--role", role,
                      "--port", str(port), *args], f"http://127.0.0.1:{port}",
-                    log=tmp_path / f"sim-{role}-{port}.log")
-        started.append(p)
+                    log=self.log_dir / f"sim-{role}-{port}.log")
+        self.started.append(p)
         p.wait_up()
         return p
 
-    def gunicorn(roster: dict[str, Any], *args: str, workers: int = 1,
+    def gunicorn(self, roster: dict[str, Any], *args: str, workers: int = 1,
                  env: dict[str, str] | None = None) -> Process:
         port = free_port()
-        roster_file = tmp_path / f"roster-{port}.yaml"
+        roster_file = self.log_dir / f"roster-{port}.yaml"
         roster_file.write_text(yaml.safe_dump(roster))
         p = Process([sys.executable, "-m", "gunicorn", *args, "wsgi:app"],
-                    f"http://127.0.0.1:{port}", log=tmp_path / f"gunicorn-{port}.log",
+                    f"http://127.0.0.1:{port}", log=self.log_dir / f"gunicorn-{port}.log",
                     env={"EPD_ROSTER": str(roster_file), "PORT": str(port),
                          "EPD_WORKERS": str(workers), **(env or {})})
-        started.append(p)
+        self.started.append(p)
         p.wait_up()
         return p
 
-    yield {"sim": sim, "gunicorn": gunicorn}
-    for p in reversed(started):
-        p.stop()
+    def stop_all(self) -> None:
+        for p in reversed(self.started):
+            p.terminate()
+        for p in reversed(self.started):
+            p.stop()
+        self.started.clear()
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[dict[str, Callable[..., Process]]]:
+    launcher = Launcher(tmp_path)
+    yield {"sim": launcher.sim, "gunicorn": launcher.gunicorn}
+    launcher.stop_all()
