@@ -17,10 +17,15 @@ PYTEST_ARGS ?=
 BENCH_VENV ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/epd-flask/bench-venv
 VLLM_ROUTER_VERSION ?= 0.1.17
 BENCH_ARGS ?=
+# install-service: where the service lives and who it runs as
+PREFIX ?= /opt/epd-flask
+CONF_DIR ?= /etc/epd-flask
+UNIT_DIR ?= /etc/systemd/system
+SERVICE_USER ?= epd-flask
 
 export EPD_ROSTER
 
-.PHONY: run test lint bench reload check-roster clean
+.PHONY: run test lint bench reload check-roster install-service service-unit clean
 
 $(STAMP): setup.cfg setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -63,6 +68,32 @@ check-roster: $(STAMP)
 ## reload: validate the roster, then ask the running master to re-read it
 reload: check-roster
 	pkill -HUP -f 'gunicorn.*wsgi:app' -o
+
+## install-service: as root, install under $(PREFIX) (own virtualenv), roster in $(CONF_DIR),
+## a systemd unit running as $(SERVICE_USER). Re-running upgrades; an existing roster is kept.
+install-service:
+	@test "$$(id -u)" = 0 || { echo "install-service: run it as root (sudo make install-service)"; exit 1; }
+	id -u $(SERVICE_USER) >/dev/null 2>&1 || useradd --system --user-group --no-create-home \
+	    --home-dir /nonexistent --shell /usr/sbin/nologin $(SERVICE_USER)
+	install -d -m 0755 $(PREFIX) $(PREFIX)/etc
+	install -m 0644 wsgi.py $(PREFIX)/wsgi.py
+	install -m 0644 etc/gunicorn.conf.py $(PREFIX)/etc/gunicorn.conf.py
+	test -x $(PREFIX)/venv/bin/pip || $(PYTHON) -m venv $(PREFIX)/venv
+	$(PREFIX)/venv/bin/pip install --quiet --disable-pip-version-check --upgrade .
+	install -d -o $(SERVICE_USER) -g $(SERVICE_USER) -m 0750 $(CONF_DIR)
+	test -e $(CONF_DIR)/roster.yaml || install -o $(SERVICE_USER) -g $(SERVICE_USER) -m 0640 \
+	    etc/roster.yaml $(CONF_DIR)/roster.yaml
+	$(PREFIX)/venv/bin/epd-flask-check-roster $(CONF_DIR)/roster.yaml
+	$(MAKE) --no-print-directory service-unit UNIT_OUT=$(UNIT_DIR)/epd-flask.service
+	if [ -d /run/systemd/system ]; then systemctl daemon-reload; fi
+	@echo "installed. Edit $(CONF_DIR)/roster.yaml, then: systemctl enable --now epd-flask"
+
+## service-unit: write etc/epd-flask.service with this PREFIX, CONF_DIR and SERVICE_USER to $(UNIT_OUT)
+service-unit:
+	@test -n "$(UNIT_OUT)" || { echo "service-unit: set UNIT_OUT=path"; exit 1; }
+	sed -e 's|/opt/epd-flask|$(PREFIX)|g' -e 's|/etc/epd-flask|$(CONF_DIR)|g' \
+	    -e 's|^User=.*|User=$(SERVICE_USER)|' -e 's|^Group=.*|Group=$(SERVICE_USER)|' \
+	    etc/epd-flask.service > $(UNIT_OUT)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -17,22 +17,38 @@ bind = os.environ.get("EPD_BIND") or (
     f"{os.environ.get('HOST', '127.0.0.1')}:{os.environ.get('PORT', '8000')}"
 )
 
-# gevent: one worker per core carries hundreds of concurrent streams; more workers than cores
-# only add context switches.
+# Workers: one per core. A gevent worker is one process running one event loop; it carries
+# hundreds of concurrent streams, but only one core's worth of CPU (JSON parsing, relaying
+# chunks). Fewer workers than cores leaves CPU idle under load; more only add context
+# switches, and multiply what each worker keeps for itself: upstream connection pools, health
+# state, and probes (each worker probes every instance: workers x instances probes per
+# probe_interval; docs/deploy.md). In a container os.cpu_count() is the node's core count,
+# not the CPU limit: set EPD_WORKERS there.
 worker_class = "gevent"
 workers = int(os.environ.get("EPD_WORKERS", os.cpu_count() or 1))
-# Concurrent connections per worker (open client streams count here).
+# Concurrent client connections per worker: open streams plus idle keep-alive connections
+# from nginx (up to its upstream `keepalive` per nginx worker process). A host carries
+# workers x worker_connections; beyond that, new connections wait in the listen backlog. Each
+# open stream also holds a socket to its decode instance, so file descriptors run at about
+# twice this per worker (the systemd unit raises LimitNOFILE).
 worker_connections = int(os.environ.get("EPD_WORKER_CONNECTIONS", "1000"))
 
-# For the gevent worker, ``timeout`` is a heartbeat: the worker's own loop refreshes it while
-# streams are open, so a minutes-long generation is never cut by it. Only a worker whose loop
-# is blocked (a CPU-bound bug) is killed.
+# Timeouts versus minute-long streams:
+# - ``timeout`` is a heartbeat, not a request timeout: the gevent worker's own loop refreshes
+#   it while streams are open, so a generation of any length is never cut by it. Only a worker
+#   whose loop is blocked (a CPU-bound bug) for this long is killed and replaced.
+# - How long a stream may go quiet is the roster's decode_timeout (600 s), and nginx's
+#   proxy_read_timeout matches it.
 timeout = int(os.environ.get("EPD_WORKER_TIMEOUT", "60"))
 # On SIGHUP/SIGTERM old workers get this long to finish the streams they carry; an LLM answer
-# can stream for minutes, so the default is generous.
+# can stream for minutes, so the default is generous. Whatever stops the master must wait
+# longer than this: systemd's TimeoutStopSec (630), Kubernetes' terminationGracePeriodSeconds.
+# A stopping worker also waits for its idle keep-alive connections to close, so behind nginx
+# a stop or reload ends once the last stream has ended and nginx dropped its idle
+# connections (at most 30 s later, its upstream keepalive_timeout).
 graceful_timeout = int(os.environ.get("EPD_GRACEFUL_TIMEOUT", "600"))
-# Longer than nginx's upstream keepalive_timeout (60 s by default) so nginx, not us, closes
-# idle connections and never reuses one we already closed.
+# Longer than nginx's upstream keepalive_timeout (30 s in etc/nginx.conf) so nginx, not us,
+# closes idle connections and never sends a request on one we already closed.
 keepalive = int(os.environ.get("EPD_KEEPALIVE", "75"))
 
 # preload_app must stay off: the app is imported in each worker after gevent patched it.
