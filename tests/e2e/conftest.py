@@ -4,6 +4,7 @@ worker exactly as operators run it, all on free loopback ports, all stopped afte
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import signal
 import subprocess
@@ -51,6 +52,19 @@ class Process:
 
     def control(self, what: str, **doc: Any) -> None:
         requests.post(self.url + f"/sim/{what}", json=doc, timeout=5).raise_for_status()
+
+    def workers(self) -> set[int]:
+        """Pids of this process's children (a gunicorn master's workers); Linux /proc."""
+        children = set()
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    stat = (entry / "stat").read_text()
+                except OSError:
+                    continue
+                if int(stat.rsplit(")", 1)[1].split()[1]) == self.proc.pid:
+                    children.add(int(entry.name))
+        return children
 
     def tail(self) -> str:
         return self.log.read_text(errors="replace")[-3000:] if self.log and self.log.exists() \
@@ -105,6 +119,9 @@ class Launcher:
         return p
 
     def stop_all(self) -> None:
+        # A response the test dropped may still hold a kept-alive connection until the garbage
+        # collector runs, and a stopping gunicorn worker waits for it (up to its keepalive).
+        gc.collect()
         for p in reversed(self.started):
             p.terminate()
         for p in reversed(self.started):

@@ -1,0 +1,215 @@
+"""The shipped deployment files agree with each other and with the code: the systemd unit,
+the nginx server block, the Kubernetes example and the gunicorn settings they all wrap."""
+
+from __future__ import annotations
+
+import os
+import re
+import runpy
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from epd_flask.config import DEFAULT_MAX_BODY_BYTES
+from epd_flask.roster import Settings, parse
+
+ROOT = Path(__file__).resolve().parents[2]
+ETC = ROOT / "etc"
+K8S_VERSION = "1.30.0"
+SIZE_UNITS = {"": 1, "k": 1024, "m": 1024 ** 2, "g": 1024 ** 3}
+
+
+def gunicorn_defaults() -> dict[str, Any]:
+    """etc/gunicorn.conf.py as the master reads it with no EPD_* overrides."""
+    saved = {k: v for k, v in os.environ.items() if k.startswith("EPD_")}
+    for key in saved:
+        del os.environ[key]
+    try:
+        return runpy.run_path(str(ETC / "gunicorn.conf.py"))
+    finally:
+        os.environ.update(saved)
+
+
+# -- systemd ---------------------------------------------------------------------------------
+
+def unit_file(text: str) -> dict[str, dict[str, list[str]]]:
+    """Sections of key -> values (a key such as ExecReload may repeat)."""
+    sections: dict[str, dict[str, list[str]]] = {}
+    current: dict[str, list[str]] = {}
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("["):
+            current = sections.setdefault(line.strip("[]"), {})
+            continue
+        key, _, value = line.partition("=")
+        current.setdefault(key.strip(), []).append(value.strip())
+    return sections
+
+
+def test_service_runs_gunicorn_gracefully_as_an_unprivileged_user() -> None:
+    service = unit_file((ETC / "epd-flask.service").read_text())["Service"]
+    env = dict(v.split("=", 1) for v in service["Environment"])
+    assert service["User"][0] not in ("", "root") and service["Group"][0] not in ("", "root")
+    assert re.search(r"/gunicorn -c \S*/etc/gunicorn\.conf\.py wsgi:app$", service["ExecStart"][0])
+    # Reload: validate first (a failing ExecReload stops the chain), then SIGHUP the master.
+    assert "epd-flask-check-roster ${EPD_ROSTER}" in service["ExecReload"][0]
+    assert service["ExecReload"][-1] == "/bin/kill -HUP $MAINPID"
+    assert service["ExecStartPre"][0].endswith("epd-flask-check-roster ${EPD_ROSTER}")
+    assert service["KillMode"] == ["mixed"] and service["KillSignal"] == ["SIGTERM"]
+    assert service["Restart"] == ["on-failure"]
+    graceful = int(env["EPD_GRACEFUL_TIMEOUT"])
+    assert graceful == gunicorn_defaults()["graceful_timeout"]
+    assert int(service["TimeoutStopSec"][0]) > graceful
+    assert int(service["LimitNOFILE"][0]) >= 2 * gunicorn_defaults()["worker_connections"]
+    for hardening in ("NoNewPrivileges", "PrivateTmp", "ProtectHome"):
+        assert service[hardening] == ["yes"]
+    assert service["ProtectSystem"] == ["strict"] and service["CapabilityBoundingSet"] == [""]
+    assert env["EPD_ROSTER"].startswith(service["ReadWritePaths"][0] + "/")
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze missing")
+def test_installed_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
+    """The unit as `make install-service` writes it, checked by systemd itself."""
+    prefix = tmp_path / "opt"
+    (prefix / "venv").mkdir(parents=True)
+    (prefix / "venv" / "bin").symlink_to(Path(sys.executable).parent)
+    unit = tmp_path / "epd-flask.service"
+    subprocess.run(["make", "-s", "service-unit", f"PREFIX={prefix}", f"CONF_DIR={tmp_path}/etc",
+                    "SERVICE_USER=epd-test", f"UNIT_OUT={unit}"], cwd=ROOT, check=True,
+                   timeout=30)
+    text = unit.read_text()
+    assert f"ExecStart={prefix}/venv/bin/gunicorn -c {prefix}/etc/gunicorn.conf.py" in text
+    assert "User=epd-test" in text and "/opt/epd-flask" not in text
+    result = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True,
+                            text=True, timeout=60)
+    # Unknown or misspelled keys are only warnings: any output at all is a finding.
+    assert result.returncode == 0 and result.stderr.strip() == "", result.stderr
+
+
+# -- nginx -----------------------------------------------------------------------------------
+
+def nginx_directive(text: str, name: str, within: str | None = None) -> list[str]:
+    if within is not None:
+        block = re.search(rf"{within}\s*\{{(.*?)\n\}}", text, re.S)
+        assert block, within
+        text = block.group(1)
+    return [m.group(1).strip() for m in re.finditer(rf"^\s*{name}\s+([^;]*);", text, re.M)]
+
+
+def seconds(value: str) -> float:
+    match = re.fullmatch(r"(\d+)(ms|s|m|h)?", value)
+    assert match, value
+    return int(match.group(1)) * {"ms": 0.001, "s": 1, None: 1, "m": 60, "h": 3600}[
+        match.group(2)]
+
+
+def test_nginx_and_gunicorn_timeouts_fit_together() -> None:
+    conf = (ETC / "nginx.conf").read_text()
+    gunicorn = gunicorn_defaults()
+    # nginx closes idle upstream connections before gunicorn would.
+    [idle] = nginx_directive(conf, "keepalive_timeout", within="upstream epd_flask")
+    assert seconds(idle) < gunicorn["keepalive"]
+    assert nginx_directive(conf, "keepalive", within="upstream epd_flask")
+    # A stream may pause as long as epd-flask lets decode pause.
+    [read] = nginx_directive(conf, "proxy_read_timeout")
+    assert seconds(read) >= Settings().decode_timeout
+    [size] = nginx_directive(conf, "client_max_body_size")
+    number, unit = re.fullmatch(r"(\d+)([kmg]?)", size.lower()).groups()  # type: ignore[union-attr]
+    assert int(number) * SIZE_UNITS[unit] >= DEFAULT_MAX_BODY_BYTES
+
+
+def test_nginx_streams_unbuffered_and_passes_request_ids() -> None:
+    conf = (ETC / "nginx.conf").read_text()
+    assert nginx_directive(conf, "proxy_buffering") == ["off"]
+    assert nginx_directive(conf, "proxy_ignore_client_abort") == ["off"]
+    assert nginx_directive(conf, "proxy_http_version") == ["1.1"]
+    assert 'Connection ""' in nginx_directive(conf, "proxy_set_header")
+    assert "X-Request-Id $epd_request_id" in nginx_directive(conf, "proxy_set_header")
+    assert len(nginx_directive(conf, "server", within="upstream epd_flask")) >= 2
+    [next_upstream] = nginx_directive(conf, "proxy_next_upstream")
+    assert {"error", "non_idempotent"} <= set(next_upstream.split())
+
+
+# -- Kubernetes ------------------------------------------------------------------------------
+
+def k8s_objects() -> dict[str, dict[str, Any]]:
+    docs: dict[str, dict[str, Any]] = {}
+    for path in sorted((ETC / "k8s").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc:
+                docs[doc["kind"]] = doc
+    return docs
+
+
+def test_k8s_example_validates_against_the_kubernetes_schema() -> None:
+    kv = pytest.importorskip("kubernetes_validate")
+    objects = k8s_objects()
+    assert set(objects) == {"ConfigMap", "Deployment", "Service"}
+    for doc in objects.values():
+        kv.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_k8s_roster_configmap_is_a_valid_roster() -> None:
+    data = k8s_objects()["ConfigMap"]["data"]
+    roster = parse(yaml.safe_load(data["roster.yaml"]), "etc/k8s/configmap.yaml")
+    assert roster.by_role("prefill") and roster.by_role("decode")
+
+
+def env_of(container: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in container.get("env", [])}
+
+
+def test_k8s_pieces_reference_each_other() -> None:
+    objects = k8s_objects()
+    deployment, service, configmap = (objects[k] for k in ("Deployment", "Service", "ConfigMap"))
+    pod = deployment["spec"]["template"]
+    labels = pod["metadata"]["labels"]
+    spec = pod["spec"]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert service["spec"]["selector"].items() <= labels.items()
+    containers = {c["name"]: c for c in spec["containers"]}
+    app, reloader = containers["epd-flask"], containers["roster-reloader"]
+    port_names = {p["name"] for p in app["ports"]}
+    assert service["spec"]["ports"][0]["targetPort"] in port_names
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    for container in containers.values():
+        for mount in container["volumeMounts"]:
+            assert mount["name"] in volumes
+            assert "subPath" not in mount  # subPath mounts never see ConfigMap updates
+
+    # The roster gunicorn reads is the ConfigMap's file, and the reloader watches that file.
+    roster_mount = next(m for m in app["volumeMounts"]
+                        if volumes[m["name"]].get("configMap", {}).get("name")
+                        == configmap["metadata"]["name"])
+    roster_path = env_of(app)["EPD_ROSTER"]
+    assert Path(roster_path).parent == Path(roster_mount["mountPath"])
+    assert Path(roster_path).name in configmap["data"]
+    assert env_of(reloader)["ROSTER_FILE"] == roster_path
+
+    # The reloader signals the master whose pid gunicorn writes to a volume both mount.
+    pidfile = app["command"][app["command"].index("--pid") + 1]
+    assert env_of(reloader)["PIDFILE"] == pidfile
+    shared = {m["name"] for m in app["volumeMounts"] if pidfile.startswith(m["mountPath"] + "/")}
+    assert shared & {m["name"] for m in reloader["volumeMounts"]}
+    assert spec["shareProcessNamespace"] is True
+    assert "runAsUser" in spec["securityContext"]  # one user for both: kill needs no capability
+    assert app["command"][:3] == ["gunicorn", "-c", "/app/etc/gunicorn.conf.py"]
+
+    # Streams get their graceful time before the kubelet's SIGKILL.
+    graceful = int(env_of(app)["EPD_GRACEFUL_TIMEOUT"])
+    assert graceful == gunicorn_defaults()["graceful_timeout"]
+    pre_stop = app["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[0] == "sleep"
+    assert spec["terminationGracePeriodSeconds"] > graceful + int(pre_stop[1])
+    # A read-only root filesystem: the control socket and worker heartbeats need tmpfs dirs.
+    assert app["securityContext"]["readOnlyRootFilesystem"] is True
+    mounted = {m["mountPath"] for m in app["volumeMounts"]}
+    assert {"/tmp", env_of(app)["XDG_RUNTIME_DIR"]} <= mounted
+    assert "EPD_WORKERS" in env_of(app)
