@@ -7,7 +7,8 @@ from typing import Any
 
 from flask import Blueprint, Response, current_app, request
 
-from epd_flask import cooperate, jsoncodec
+from epd_flask import cooperate, edge, jsoncodec
+from epd_flask.config import DEFAULT_MAX_JSON_DEPTH
 from epd_flask.context import RequestContext
 from epd_flask.errors import ClientError, ProxyError
 from epd_flask.headers import REQUEST_ID_HEADER, request_id, upstream_headers
@@ -26,8 +27,11 @@ def _services():
 
 def _context() -> RequestContext:
     rid = request_id(request.headers.get(REQUEST_ID_HEADER))
-    headers = upstream_headers(request.headers.items(), rid,
-                               _services().config.backend_api_key)
+    services = _services()
+    headers = upstream_headers(request.headers.items(), rid, services.config.backend_api_key)
+    if services.keys.enabled and not services.config.backend_api_key:
+        # The client's bearer was our serving key: it stays at the edge.
+        headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
     ctx = RequestContext(rid, request.path, headers)
     sock = request.environ.get("gunicorn.socket")
     if sock is not None:
@@ -35,7 +39,23 @@ def _context() -> RequestContext:
     return ctx
 
 
-def parse_object(raw: bytes) -> dict[str, Any]:
+def _authorize() -> None:
+    _services().keys.check(request.headers.get("Authorization"))
+
+
+def _body() -> bytes:
+    """The request body, decoded, within the size limit (413 before reading an oversized
+    body whose length is declared; chunked bodies are cut off as they pass the limit)."""
+    limit = _services().config.max_body_bytes
+    edge.check_length(request.content_length, limit)
+    if request.content_length is None:
+        raw = edge.read_capped(request.stream.read, limit)
+    else:
+        raw = _read_body()
+    return edge.decode_body(raw, request.headers.get("Content-Encoding"), limit)
+
+
+def parse_object(raw: bytes, max_depth: int = DEFAULT_MAX_JSON_DEPTH) -> dict[str, Any]:
     """T1: the body must be one JSON object; anything else is refused before any backend."""
     if not raw.strip():
         raise ClientError("request body is empty; send a JSON object", code="invalid_json")
@@ -43,12 +63,15 @@ def parse_object(raw: bytes) -> dict[str, Any]:
         doc = jsoncodec.loads(raw)
     except UnicodeDecodeError:
         raise ClientError("request body is not valid UTF-8", code="invalid_json") from None
+    except RecursionError:
+        raise edge.nested_too_deeply(max_depth) from None
     except ValueError as exc:
         raise ClientError(f"request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(doc, dict):
         raise ClientError(
             f"request body must be a JSON object, got a JSON {_json_kind(doc)}",
             code="invalid_json")
+    edge.check_depth(doc, max_depth)
     return doc
 
 
@@ -86,13 +109,14 @@ def _fail(err: ProxyError, ctx: RequestContext) -> ProxyError:
 def completions() -> Response:
     ctx = _context()
     try:
+        _authorize()
         ctype = (request.mimetype or "").lower()
         if ctype not in JSON_TYPES:
             raise ClientError(f"Content-Type must be application/json, got {ctype}",
                               status=415, code="unsupported_media_type")
-        raw = _read_body()
+        raw = _body()
         ctx.bytes_in = len(raw)
-        body = parse_object(raw)
+        body = parse_object(raw, _services().config.max_json_depth)
         cooperate.after_step(len(raw))
         reply = _services().pipeline.completion(request.path, body, ctx)
     except ProxyError as err:
@@ -127,11 +151,12 @@ def passthrough(path: str) -> Response:
     """T2: everything else reaches a decode-side instance with its query string."""
     ctx = _context()
     try:
+        _authorize()
         raw: bytes | None = None
         if request.method == "POST":
-            raw = request.get_data(cache=False)
+            raw = _body()
             if (request.mimetype or "") == "application/json" and raw.strip():
-                parse_object(raw)
+                parse_object(raw, _services().config.max_json_depth)
         reply = _services().pipeline.passthrough(
             request.method, request.path, request.query_string.decode("latin-1"), raw,
             request.headers.get("Content-Type"), ctx)

@@ -8,7 +8,7 @@ production, a fixture in tests), after gevent has patched the worker.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from flask import Flask, Response
 from werkzeug.exceptions import HTTPException
@@ -18,6 +18,7 @@ from epd_flask import roster as roster_mod
 from epd_flask.config import ProxyConfig
 from epd_flask.connectors import Placement, connector_class
 from epd_flask.discovery import BootstrapDiscovery
+from epd_flask.edge import KeyRing
 from epd_flask.errors import ClientError, ProxyError
 from epd_flask.headers import REQUEST_ID_HEADER
 from epd_flask.pipeline import Pipeline
@@ -25,7 +26,9 @@ from epd_flask.prober import Prober
 from epd_flask.registry import Registry
 from epd_flask.roster import Roster
 from epd_flask.routing import Router
+from epd_flask.tls import TLSFiles
 from epd_flask.transport import Transport
+from epd_flask.urlpolicy import URLPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +45,11 @@ class Services:
     pipeline: Pipeline
     prober: Prober
     discovery: BootstrapDiscovery | None = None
+    keys: KeyRing = field(default_factory=lambda: KeyRing(()))
+    url_policy: URLPolicy = field(default_factory=URLPolicy)
 
     def start(self) -> None:
+        self.transport.start()
         self.prober.start()
         if self.discovery is not None:
             self.discovery.start()
@@ -59,7 +65,12 @@ def build_services(config: ProxyConfig, roster: Roster) -> Services:
     settings = roster.settings
     registry = Registry(roster.instances, settings.fail_threshold, settings.evicted_ttl)
     router = Router(registry)
-    transport = Transport(settings.connect_timeout, config.pool_maxsize)
+    transport = Transport(
+        settings.connect_timeout, config.pool_maxsize,
+        idle_timeout=config.upstream_idle_timeout, keepalive=config.upstream_keepalive,
+        tls=TLSFiles(config.upstream_ca_bundle, config.upstream_client_cert,
+                     config.upstream_client_key),
+    )
     cls = connector_class(settings.connector)
     discovery = None
     if cls.bootstrap:
@@ -69,7 +80,10 @@ def build_services(config: ProxyConfig, roster: Roster) -> Services:
         connector = cls(lambda exclude: Placement(router.pick("prefill", exclude)))
     pipeline = Pipeline(roster, registry, router, transport, connector)
     prober = Prober(registry, transport, lambda: pipeline.roster.settings)
-    return Services(config, roster, registry, router, transport, pipeline, prober, discovery)
+    return Services(config, roster, registry, router, transport, pipeline, prober, discovery,
+                    keys=KeyRing(config.api_keys),
+                    url_policy=URLPolicy.build(config.instance_schemes,
+                                               config.instance_networks))
 
 
 def create_app(config: ProxyConfig | None = None, roster: Roster | None = None) -> Flask:
@@ -97,6 +111,8 @@ def error_response(err: ProxyError) -> Response:
     response = Response(body, status=status, content_type=content_type)
     if err.request_id:
         response.headers[REQUEST_ID_HEADER] = err.request_id
+    if status == 401:
+        response.headers["WWW-Authenticate"] = "Bearer"
     return response
 
 

@@ -76,8 +76,10 @@ class MethodNotAllowed(ClientError):
 
 
 class Unauthorized(ProxyError):
+    """A serving API key is missing or wrong (OpenAI's 401: an invalid_request_error)."""
+
     status = 401
-    type = "authentication_error"
+    type = "invalid_request_error"
     code = "invalid_api_key"
 
 

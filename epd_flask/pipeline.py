@@ -105,7 +105,8 @@ class Pipeline:
             headers["Content-Type"] = content_type
         url = target.url + path + (f"?{query}" if query else "")
         resp = self._send(target, "decode", method, url, ctx, headers=headers, body=body,
-                          read_timeout=self.roster.settings.decode_timeout)
+                          read_timeout=self.roster.settings.decode_timeout,
+                          chunk_timeout=self.roster.settings.decode_chunk_timeout)
         return self._reply(resp, ctx, stream=True)
 
     def _attempt(self, path: str, body: dict[str, Any], ctx: RequestContext) -> Reply:
@@ -223,7 +224,8 @@ class Pipeline:
         ctx.instances["decode"] = target.url
         started = time.monotonic()
         resp = self._post(target, "decode", path, leg, ctx,
-                          self.roster.settings.decode_timeout)
+                          self.roster.settings.decode_timeout,
+                          chunk_timeout=self.roster.settings.decode_chunk_timeout)
         try:
             self._check(resp, target, "decode", ctx)
             chunks = self.transport.iter_raw(resp, "decode")
@@ -245,7 +247,8 @@ class Pipeline:
         ctx.instances["decode"] = target.url
         started = time.monotonic()
         resp = self._post(target, "decode", path, leg, ctx,
-                          self.roster.settings.decode_timeout)
+                          self.roster.settings.decode_timeout,
+                          chunk_timeout=self.roster.settings.decode_chunk_timeout)
         self._check(resp, target, "decode", ctx)
         ctx.mark("decode_first_byte", started)
         return self._reply(resp, ctx, stream=bool(leg.body.get("stream")),
@@ -289,19 +292,21 @@ class Pipeline:
         return Reply(resp.status_code, headers, data)
 
     def _post(self, target: Instance, stage: str, path: str, leg: Leg,
-              ctx: RequestContext, read_timeout: float) -> requests.Response:
+              ctx: RequestContext, read_timeout: float,
+              chunk_timeout: float | None = None) -> requests.Response:
         headers = dict(ctx.upstream_headers)
         headers.update(leg.headers)
         headers["Content-Type"] = "application/json"
         return self._send(target, stage, "POST", target.url + path, ctx, headers=headers,
-                          body=encode_json(leg.body), read_timeout=read_timeout)
+                          body=encode_json(leg.body), read_timeout=read_timeout,
+                          chunk_timeout=chunk_timeout)
 
     def _send(self, target: Instance, stage: str, method: str, url: str,
               ctx: RequestContext, *, headers: dict[str, str], body: bytes | None,
-              read_timeout: float) -> requests.Response:
+              read_timeout: float, chunk_timeout: float | None = None) -> requests.Response:
         try:
             return self.transport.send(method, url, stage=stage, headers=headers, body=body,
-                                       read_timeout=read_timeout)
+                                       read_timeout=read_timeout, chunk_timeout=chunk_timeout)
         except BackendUnavailable as err:
             # Passive signal: a refused connection counts like a failed probe.
             self.registry.record_failure(target.url, str(err))

@@ -35,13 +35,55 @@ def end_side_leg(side: Call[Any] | None, completed: bool) -> None:
         side.stop(SIDE_LEG_GRACE if completed else 0.0)
 
 
+class Relayed:
+    """The body iterable handed to the WSGI server. Its ``close()`` (called by the server
+    when the response ends or the client leaves) releases the upstream even if the generator
+    never started: a generator that was never run skips its own ``finally``."""
+
+    def __init__(self, body: Iterator[bytes], resp: requests.Response, ctx: RequestContext,
+                 side: Call[Any] | None) -> None:
+        self._body = body
+        self._resp = resp
+        self._ctx = ctx
+        self._side = side
+
+    def __iter__(self) -> Iterator[bytes]:
+        return self._body
+
+    def close(self) -> None:
+        try:
+            self._body.close()  # type: ignore[attr-defined]
+        finally:
+            # All no-ops when the generator already ran its own cleanup.
+            self._resp.close()
+            end_side_leg(self._side, False)
+            self._ctx.finish(error="client disconnected")
+
+
 def sse(transport: Transport, resp: requests.Response, ctx: RequestContext,
         stage: str = "decode", *, chunks: Iterable[bytes] | None = None,
         rewrite: Callable[[bytes], bytes] | None = None,
-        side: Call[Any] | None = None) -> Iterator[bytes]:
+        side: Call[Any] | None = None) -> Relayed:
     """Relay whole SSE events; ``chunks`` continues a body already started, ``rewrite`` edits
     events that carry a usage object (the only ones it is called for), ``side`` is a leg that
     must end with this stream."""
+    return Relayed(_sse(transport, resp, ctx, stage, chunks, rewrite, side), resp, ctx, side)
+
+
+def raw(transport: Transport, resp: requests.Response, ctx: RequestContext,
+        stage: str = "decode", *, chunks: Iterable[bytes] | None = None,
+        side: Call[Any] | None = None) -> Relayed:
+    """Any other body (pass-through), forwarded unframed.
+
+    A failure is re-raised so the server drops the connection without the final chunk: for a
+    body with no in-band error format, truncation the client can detect is the honest signal.
+    """
+    return Relayed(_raw(transport, resp, ctx, stage, chunks, side), resp, ctx, side)
+
+
+def _sse(transport: Transport, resp: requests.Response, ctx: RequestContext, stage: str,
+         chunks: Iterable[bytes] | None, rewrite: Callable[[bytes], bytes] | None,
+         side: Call[Any] | None) -> Iterator[bytes]:
     held = b""
     completed = False
     try:
@@ -78,14 +120,8 @@ def sse(transport: Transport, resp: requests.Response, ctx: RequestContext,
         end_side_leg(side, completed)
 
 
-def raw(transport: Transport, resp: requests.Response, ctx: RequestContext,
-        stage: str = "decode", *, chunks: Iterable[bytes] | None = None,
-        side: Call[Any] | None = None) -> Iterator[bytes]:
-    """Any other body (pass-through), forwarded unframed.
-
-    A failure is re-raised so the server drops the connection without the final chunk: for a
-    body with no in-band error format, truncation the client can detect is the honest signal.
-    """
+def _raw(transport: Transport, resp: requests.Response, ctx: RequestContext, stage: str,
+         chunks: Iterable[bytes] | None, side: Call[Any] | None) -> Iterator[bytes]:
     completed = False
     try:
         for chunk in transport.iter_raw(resp, stage) if chunks is None else chunks:

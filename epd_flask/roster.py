@@ -73,9 +73,11 @@ class Settings(_Strict):
     encoder_concurrency: int = Field(default=8, ge=1, le=1024)
     encoder_timeout: float = Field(default=300.0, gt=0)
     rewrite_media: bool = True
+    # Per-stage read timeouts (seconds); each expiry is a client error naming the stage.
     connect_timeout: float = Field(default=3.0, gt=0, le=600)
     prefill_timeout: float = Field(default=600.0, gt=0)
-    decode_timeout: float = Field(default=600.0, gt=0)
+    decode_timeout: float = Field(default=600.0, gt=0)  # until decode's first byte
+    decode_chunk_timeout: float = Field(default=300.0, gt=0)  # between decode's chunks
 
 
 class Roster(_Strict):

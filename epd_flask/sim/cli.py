@@ -59,6 +59,15 @@ def build_parser() -> argparse.ArgumentParser:
                    "LLaVA sends (default: %(default)s)")
     p.add_argument("--record-limit", type=int, default=200,
                    help="recent requests kept for GET /sim/requests (default: %(default)s)")
+    p.add_argument("--keepalive-timeout", type=float, default=5.0,
+                   help="seconds an idle keep-alive connection stays open after a response, "
+                   "as vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE; 0 keeps it forever "
+                   "(default: %(default)s)")
+    p.add_argument("--tls-cert", default=None,
+                   help="serve https with this PEM certificate chain (needs --tls-key)")
+    p.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
+    p.add_argument("--tls-client-ca", default=None,
+                   help="require client certificates signed by this CA (mutual TLS)")
     p.add_argument("--fail-next", type=int, default=0,
                    help="fail the first N completion requests with HTTP 500")
     p.add_argument("--health-fail", action="store_true",
@@ -76,6 +85,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         secret=args.secret, engine_id=args.engine_id, dp_size=args.dp_size,
         bootstrap_port=args.bootstrap_port, record_limit=args.record_limit,
         ec_metadata=args.ec_metadata, kv_timeout=args.kv_timeout_ms / MS,
+        keepalive_timeout=args.keepalive_timeout,
+        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
     )
 
 

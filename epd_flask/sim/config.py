@@ -18,6 +18,8 @@ VLLM_VERSION = "0.32.0"
 DEFAULT_MODEL = "tiny-llama"
 DEFAULT_SECRET = "epd-sim"
 DEFAULT_SIDE_CHANNEL_PORT = 5600
+#: uvicorn's keep-alive, as vLLM sets it (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, default 5 s).
+DEFAULT_KEEPALIVE_TIMEOUT = 5.0
 
 #: Knobs that ``SimState.configure`` and ``POST /sim/config`` may change on a running server.
 LIVE_KNOBS = frozenset(
@@ -52,6 +54,13 @@ class SimConfig:
     record_health: bool = False
     # A Mooncake decode waits this long for its KV before failing the request with a 500.
     kv_timeout: float = 30.0
+    # Close a connection idle this long after its last response, as vLLM does; 0: never.
+    keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT
+    # Serve https with this certificate chain and key (PEM files); with tls_client_ca, also
+    # require a client certificate signed by that CA (mutual TLS).
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -60,8 +69,18 @@ class SimConfig:
             raise ValueError(f"dp_size must be >= 1, got {self.dp_size}")
         if self.record_limit < 0:
             raise ValueError(f"record_limit must be >= 0, got {self.record_limit}")
+        if self.keepalive_timeout < 0:
+            raise ValueError(f"keepalive_timeout must be >= 0, got {self.keepalive_timeout}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_client_ca needs tls_cert and tls_key")
         for name in LIVE_KNOBS:
             setattr(self, name, coerce_knob(name, getattr(self, name)))
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls_cert else "http"
 
     @property
     def kv_connector(self) -> str:

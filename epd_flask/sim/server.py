@@ -7,12 +7,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import ssl
 from typing import Any
 
 import gevent
 from gevent.event import Event
 from gevent.pool import Pool
 from gevent.pywsgi import LoggingLogAdapter, WSGIHandler, WSGIServer
+from gevent.socket import wait_read
 
 from . import pacing
 from .app import SimApp
@@ -29,9 +31,10 @@ STOP_GRACE_SECONDS = 0.2
 class SimWSGIServer(WSGIServer):
     """Knows its open client connections, so ``close_connections`` can end them all."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, state: SimState | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.open_sockets: set[Any] = set()
+        self.state = state
 
     def close_connections(self) -> None:
         for sock in list(self.open_sockets):
@@ -41,6 +44,8 @@ class SimWSGIServer(WSGIServer):
 class SimHandler(WSGIHandler):
     """Hands the app the client socket (to notice hang-ups) and the headers as sent."""
 
+    _requests_read = 0
+
     def handle(self) -> None:
         sock = self.socket
         # pywsgi writes the head and the body separately; with Nagle on, the body waits for
@@ -48,10 +53,31 @@ class SimHandler(WSGIHandler):
         with contextlib.suppress(OSError):  # not TCP (a Unix socket): nothing to tune
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.server.open_sockets.add(sock)
+        state = self.server.state
+        if state is not None:
+            state.count("connections_opened")
         try:
             super().handle()
         finally:
             self.server.open_sockets.discard(sock)
+
+    def read_requestline(self) -> str:
+        """Like uvicorn under vLLM: after a response, wait at most ``keepalive_timeout`` for
+        the next request, then close. A request that arrives as the timer fires is lost with
+        the connection, which is the race a client's keep-alive handling must survive."""
+        state = self.server.state
+        idle = state.config.keepalive_timeout if state is not None else 0
+        if idle and self._requests_read:
+            pending = getattr(self.socket, "pending", None)
+            if not (pending and pending()):
+                try:
+                    wait_read(self.socket.fileno(), timeout=idle,
+                              timeout_exc=TimeoutError("keep-alive expired"))
+                except TimeoutError:
+                    state.count("keepalive_closes")
+                    return ""
+        self._requests_read += 1
+        return super().read_requestline()
 
     def get_environ(self) -> dict[str, Any]:
         environ = super().get_environ()
@@ -65,7 +91,11 @@ class SimHandler(WSGIHandler):
         return environ
 
 
-def _wsgi_server(host: str, port: int, app: Any, name: str) -> SimWSGIServer:
+def _wsgi_server(host: str, port: int, app: Any, name: str,
+                 state: SimState | None = None) -> SimWSGIServer:
+    tls: dict[str, Any] = {}
+    if state is not None and state.config.tls_cert:
+        tls["ssl_context"] = server_tls_context(state.config)
     return SimWSGIServer(
         (host, port),
         app,
@@ -74,7 +104,20 @@ def _wsgi_server(host: str, port: int, app: Any, name: str) -> SimWSGIServer:
         spawn=Pool(),
         log=None,  # access logs would cost more than the zero-latency answers themselves
         error_log=LoggingLogAdapter(logging.getLogger(f"{__name__}.{name}"), logging.ERROR),
+        state=state,
+        **tls,
     )
+
+
+def server_tls_context(config: SimConfig) -> ssl.SSLContext:
+    """https for the sim: its certificate, and a client certificate required when a client
+    CA is configured (mutual TLS)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(config.tls_cert, config.tls_key)  # type: ignore[arg-type]
+    if config.tls_client_ca:
+        context.load_verify_locations(cafile=config.tls_client_ca)
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
 
 
 class SimServer:
@@ -89,7 +132,7 @@ class SimServer:
 
     def start(self) -> SimServer:
         cfg = self.config
-        self._server = _wsgi_server(cfg.host, cfg.port, SimApp(self.state), "api")
+        self._server = _wsgi_server(cfg.host, cfg.port, SimApp(self.state), "api", self.state)
         self._server.start()
         if cfg.bootstrap_port is not None and cfg.role == "prefill":
             self._bootstrap = _wsgi_server(
@@ -110,7 +153,7 @@ class SimServer:
 
     @property
     def url(self) -> str:
-        return f"http://{self.config.host}:{self.port}"
+        return f"{self.config.scheme}://{self.config.host}:{self.port}"
 
     @property
     def bootstrap_url(self) -> str | None:

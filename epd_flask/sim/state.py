@@ -50,6 +50,8 @@ COUNTERS = (
     "media_from_ec",
     "media_encoded_locally",
     "health_checks",
+    "connections_opened",
+    "keepalive_closes",
 )
 FAULTS = ("fail_next", "fail_status", "drop_after", "hang_next", "health_fail")
 
