@@ -29,14 +29,21 @@ class TLSFiles:
     client_cert: str | None = None
     client_key: str | None = None
 
-    def paths(self) -> tuple[str, ...]:
-        return tuple(p for p in (self.ca_bundle, self.client_cert, self.client_key) if p)
+    def labelled(self) -> tuple[tuple[str, str], ...]:
+        pairs = (("CA bundle", self.ca_bundle), ("client certificate", self.client_cert),
+                 ("client key", self.client_key))
+        return tuple((label, path) for label, path in pairs if path)
 
 
-def _identity(path: str) -> tuple[int, ...]:
+def _identity(label: str, path: str) -> tuple[int, ...]:
     # os.stat follows symlinks, so a Kubernetes secret update (an atomic swap of the ..data
     # symlink) shows up as a new inode, and an in-place rewrite as a new mtime/size.
-    st = os.stat(path)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise TLSConfigError(f"{label} {path} does not exist") from None
+    except OSError as exc:
+        raise TLSConfigError(f"{label} {path} cannot be read: {exc.strerror or exc}") from None
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
@@ -97,12 +104,7 @@ class TrustStore:
 
     def current(self) -> ssl.SSLContext:
         """Load now; raises ``TLSConfigError`` with an operator-facing message."""
-        try:
-            key = tuple(_identity(p) for p in self.files.paths())
-        except FileNotFoundError as exc:
-            raise TLSConfigError(f"TLS file {exc.filename} does not exist") from None
-        except OSError as exc:
-            raise TLSConfigError(f"TLS file {exc.filename} cannot be read: {exc}") from None
+        key = tuple(_identity(label, path) for label, path in self.files.labelled())
         if key == self._key:
             if self._error is not None:
                 raise self._error

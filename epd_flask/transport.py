@@ -224,7 +224,7 @@ class Transport:
             origin = _origin(resp.url)
             if first:
                 message = (f"{stage} instance {origin} sent no data within "
-                           f"{read_timeout:g} s ({stage} first-byte timeout)"
+                           f"{read_timeout:g} s ({stage} timeout)"
                            if read_timeout is not None else
                            f"{stage} instance {origin} stopped sending data")
             else:
