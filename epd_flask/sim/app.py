@@ -114,6 +114,17 @@ class SimApp:
             if not handed_off:
                 state.leave()
 
+    def profile(self, environ: dict[str, Any], start_response: StartResponse) -> WSGIResult:
+        """vLLM's profiler switch: 200 with an empty body, or 404 when no profiler is set up."""
+        path = environ["PATH_INFO"]
+        self._note(environ, path, None)
+        state = self.state
+        if not state.config.profiler:
+            return json_response(start_response, 404, errors.NOT_FOUND)
+        state.profiling = path == "/start_profile"
+        state.count("profiles_started" if state.profiling else "profiles_stopped")
+        return empty_response(start_response, 200)
+
     # -- one completion request -------------------------------------------------------------
 
     def _complete(
@@ -256,6 +267,8 @@ ROUTES: dict[str, dict[str, Handler]] = {
     "/v1/models": {"GET": SimApp.models},
     validate.COMPLETIONS_PATH: {"POST": SimApp.completion},
     validate.CHAT_PATH: {"POST": SimApp.completion},
+    "/start_profile": {"POST": SimApp.profile},
+    "/stop_profile": {"POST": SimApp.profile},
     "/sim/stats": {"GET": SimApp.sim},
     "/sim/requests": {"GET": SimApp.sim},
     "/sim/config": {"GET": SimApp.sim, "POST": SimApp.sim},

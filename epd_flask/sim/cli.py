@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fail the first N completion requests with HTTP 500")
     p.add_argument("--health-fail", action="store_true",
                    help="start unhealthy: GET /health answers 503")
+    p.add_argument("--profiler", action="store_true",
+                   help="serve POST /start_profile and /stop_profile (vLLM with a profiler "
+                   "configured); without it both are 404")
     p.add_argument("--log-level", default="INFO",
                    help="logging level (default: %(default)s)")
     return p
@@ -87,6 +90,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         ec_metadata=args.ec_metadata, kv_timeout=args.kv_timeout_ms / MS,
         keepalive_timeout=args.keepalive_timeout,
         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
+        profiler=args.profiler,
     )
 
 

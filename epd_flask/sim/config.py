@@ -61,6 +61,9 @@ class SimConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None
+    # vLLM serves /start_profile and /stop_profile only when started with a profiler
+    # configured; without one both are 404.
+    profiler: bool = False
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -52,6 +52,8 @@ COUNTERS = (
     "health_checks",
     "connections_opened",
     "keepalive_closes",
+    "profiles_started",
+    "profiles_stopped",
 )
 FAULTS = ("fail_next", "fail_status", "drop_after", "hang_next", "health_fail")
 
@@ -87,6 +89,7 @@ class SimState:
         out["last_abort_at"] = self.last_abort_at
         out["engine_dead"] = self.engine_dead
         out["healthy"] = self.healthy
+        out["profiling"] = self.profiling
         out["role"] = self.config.role
         out["engine_id"] = self.engine_id
         out["faults"] = dict(self.faults)
@@ -144,6 +147,7 @@ class SimState:
         self._ranks: Counter[str] = Counter()
         self.last_abort_at: float | None = None
         self.engine_dead = False
+        self.profiling = False
         self._records.clear()
         self.prefix_cache.clear()
         self.blocks.reset()
