@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from flask import Flask, Response
 from werkzeug.exceptions import HTTPException
 
-from epd_flask import errors
+from epd_flask import context, errors, metrics
 from epd_flask import roster as roster_mod
 from epd_flask.config import ProxyConfig
 from epd_flask.connectors import Placement, connector_class
@@ -47,17 +47,20 @@ class Services:
     discovery: BootstrapDiscovery | None = None
     keys: KeyRing = field(default_factory=lambda: KeyRing(()))
     url_policy: URLPolicy = field(default_factory=URLPolicy)
+    history: metrics.History = field(default_factory=metrics.History)
 
     def start(self) -> None:
         self.transport.start()
         self.prober.start()
         if self.discovery is not None:
             self.discovery.start()
+        self.history.start()
 
     def stop(self) -> None:
         self.prober.stop()
         if self.discovery is not None:
             self.discovery.stop()
+        self.history.stop()
         self.transport.close()
 
 
@@ -83,7 +86,8 @@ def build_services(config: ProxyConfig, roster: Roster) -> Services:
     return Services(config, roster, registry, router, transport, pipeline, prober, discovery,
                     keys=KeyRing(config.api_keys),
                     url_policy=URLPolicy.build(config.instance_schemes,
-                                               config.instance_networks))
+                                               config.instance_networks),
+                    history=metrics.History())
 
 
 def create_app(config: ProxyConfig | None = None, roster: Roster | None = None) -> Flask:
@@ -92,10 +96,14 @@ def create_app(config: ProxyConfig | None = None, roster: Roster | None = None) 
         roster = roster_mod.load(config.roster_path)
     app = Flask("epd_flask")
     app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
+    context.configure(config.log_format, config.log_upstream)
+    metrics.install()
     app.extensions[EXTENSION] = build_services(config, roster)
 
     from epd_flask.api import bp
+    from epd_flask.ops import bp as ops_bp
 
+    app.register_blueprint(ops_bp)
     app.register_blueprint(bp)
     app.register_error_handler(ProxyError, error_response)
     app.register_error_handler(HTTPException, http_error_response)

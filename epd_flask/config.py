@@ -11,6 +11,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from epd_flask.context import LOG_FORMATS
 from epd_flask.roster import roster_path
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
@@ -61,6 +62,8 @@ class ProxyConfig:
             raise ValueError("EPD_ADMIN_PREFIX must not be under /v1, which nginx publishes")
         if self.upstream_client_key and not self.upstream_client_cert:
             raise ValueError("EPD_UPSTREAM_CLIENT_KEY needs EPD_UPSTREAM_CLIENT_CERT")
+    log_format: str = "logfmt"
+    log_upstream: bool = False
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> ProxyConfig:
@@ -82,6 +85,8 @@ class ProxyConfig:
             admin_prefix=(env.get("EPD_ADMIN_PREFIX") or "").strip(),
             instance_schemes=_list(env, "EPD_INSTANCE_SCHEMES") or DEFAULT_INSTANCE_SCHEMES,
             instance_networks=_list(env, "EPD_INSTANCE_NETWORKS"),
+            log_format=_choice(env, "EPD_LOG_FORMAT", LOG_FORMATS, "logfmt"),
+            log_upstream=_bool(env, "EPD_LOG_UPSTREAM", False),
         )
 
 
@@ -140,3 +145,10 @@ def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
     if raw in _FALSE:
         return False
     raise ValueError(f"{name} must be one of on/off, true/false, 1/0; got {raw!r}")
+
+
+def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...], default: str) -> str:
+    value = (env.get(name) or default).strip().lower()
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+    return value

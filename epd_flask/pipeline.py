@@ -90,7 +90,7 @@ class Pipeline:
             except ProxyError as err:
                 if not err.retryable or attempt + 1 >= attempts:
                     raise
-                ctx.retries += 1
+                ctx.retry(err)
                 logger.warning("request %s: attempt %d failed (%s); retrying",
                                ctx.request_id, attempt + 1, err)
         raise AssertionError("unreachable")
@@ -162,10 +162,15 @@ class Pipeline:
             resp = self._post(target, "prefill", path, leg, ctx,
                               self.roster.settings.prefill_timeout)
             self._check(resp, target, "prefill", ctx)
-            raw = self.transport.read_body(resp, "prefill")
+            try:
+                raw = self.transport.read_body(resp, "prefill")
+            except ProxyError as err:
+                ctx.leg_close("prefill", target.url, error=err)
+                raise
         except ProxyError:
             self.counters["prefill_failures"] += 1
             raise
+        ctx.leg_close("prefill", target.url, status=resp.status_code)
         ctx.mark("prefill", started)
         try:
             answer = jsoncodec.loads(raw)
@@ -232,10 +237,12 @@ class Pipeline:
             first = next(chunks, b"")
         except StreamInterrupted as err:
             resp.close()
+            ctx.leg_close("decode", target.url, error=err)
             err.retryable = True  # cut before its first byte: nothing reached the client yet
             raise
         except BaseException:
             resp.close()
+            ctx.leg_close("decode", target.url)  # already closed if its status failed
             raise
         ctx.mark("decode_first_byte", started)
         return resp, itertools.chain((first,), chunks) if first else chunks
@@ -281,6 +288,7 @@ class Pipeline:
                 finally:
                     resp.close()
         except BackendError as err:
+            ctx.leg_close("decode", ctx.instances.get("decode", ""), error=err)
             err.retryable = True  # nothing reached the client yet, so another try is safe
             relay.end_side_leg(side, completed=False)
             raise
@@ -304,13 +312,16 @@ class Pipeline:
     def _send(self, target: Instance, stage: str, method: str, url: str,
               ctx: RequestContext, *, headers: dict[str, str], body: bytes | None,
               read_timeout: float, chunk_timeout: float | None = None) -> requests.Response:
+        ctx.leg_open(stage, target.role, target.url)
         try:
             return self.transport.send(method, url, stage=stage, headers=headers, body=body,
                                        read_timeout=read_timeout, chunk_timeout=chunk_timeout)
-        except BackendUnavailable as err:
-            # Passive signal: a refused connection counts like a failed probe.
-            self.registry.record_failure(target.url, str(err))
-            ctx.failed.add(target.url)
+        except ProxyError as err:
+            ctx.leg_close(stage, target.url, error=err)
+            if isinstance(err, BackendUnavailable):
+                # Passive signal: a refused connection counts like a failed probe.
+                self.registry.record_failure(target.url, str(err))
+                ctx.failed.add(target.url)
             raise
 
     def _check(self, resp: requests.Response, target: Instance, stage: str,
@@ -318,6 +329,7 @@ class Pipeline:
         try:
             self.transport.raise_for_status(resp, stage)
         except ProxyError as err:
+            ctx.leg_close(stage, target.url, error=err)
             if err.retryable:
                 ctx.failed.add(target.url)
             raise

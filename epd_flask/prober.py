@@ -15,6 +15,7 @@ import gevent
 import gevent.pool
 
 from epd_flask.errors import ProxyError
+from epd_flask.events import bus
 from epd_flask.registry import InstanceState, Registry
 from epd_flask.roster import Settings
 from epd_flask.transport import Transport
@@ -62,6 +63,7 @@ class Prober:
             reason = err.message
         state.last_probe_at = time.time()
         state.last_probe_ok = ok
+        bus.probe(state.instance.role, url, ok, time.monotonic() - started)
         if ok:
             self.registry.record_success(url, time.monotonic() - started)
         else:

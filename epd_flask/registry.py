@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from epd_flask.events import FleetEntry, bus
 from epd_flask.roster import Instance
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ class Registry:
             else:
                 fresh[inst.url] = InstanceState(inst)
         self._states = fresh
+        self._announce()
 
     def configure(self, fail_threshold: int, evicted_ttl: float) -> None:
         self.fail_threshold = fail_threshold
@@ -79,7 +81,8 @@ class Registry:
         state = self._states.get(url)
         if state is None:
             return  # removed meanwhile: a late result must not resurrect it
-        if not state.live:
+        rejoined = not state.live
+        if rejoined:
             logger.info("instance %s (%s) rejoined", url, state.instance.role)
         state.live = True
         state.failures = 0
@@ -87,6 +90,9 @@ class Registry:
         state.last_error = None
         if latency is not None:
             state.last_latency = latency
+        if rejoined:
+            bus.rejoined(state.instance.role, url)
+            self._announce()
 
     def record_failure(self, url: str, reason: str) -> None:
         state = self._states.get(url)
@@ -101,6 +107,8 @@ class Registry:
                 "instance %s (%s) evicted after %d consecutive failures: %s",
                 url, state.instance.role, state.failures, reason,
             )
+            bus.evicted(state.instance.role, url)
+            self._announce()
 
     def forget_expired(self, now: float | None = None) -> list[str]:
         """Drop instances evicted for longer than the TTL; returns their URLs."""
@@ -114,7 +122,12 @@ class Registry:
         for url in gone:
             logger.warning("instance %s forgotten after %.0f s evicted", url, self.evicted_ttl)
             del self._states[url]
+        if gone:
+            self._announce()
         return gone
+
+    def _announce(self) -> None:
+        bus.fleet([FleetEntry(s.instance.role, url, s.live) for url, s in self._states.items()])
 
     def snapshot(self) -> dict[str, dict[str, list[str]]]:
         """Per role, the live and evicted URLs (the /health body)."""

@@ -100,17 +100,16 @@ def _sse(transport: Transport, resp: requests.Response, ctx: RequestContext, sta
                 chunk = chunk[:cut + 2]
             if rewrite is not None and USAGE_KEY in chunk:
                 chunk = rewrite(chunk)
-            ctx.chunks += 1
-            ctx.bytes_out += len(chunk)
+            ctx.relayed(len(chunk))
             yield chunk
         if held:
-            ctx.bytes_out += len(held)
+            ctx.relayed(len(held), event=False)
             yield held
         completed = True
         ctx.finish()
     except ProxyError as err:
         logger.warning("request %s: %s stream ended early: %s", ctx.request_id, stage, err)
-        ctx.finish(error=err.message)
+        ctx.finish(error=err)
         yield errors.sse_event(err)
     except GeneratorExit:
         ctx.finish(error="client disconnected")
@@ -125,13 +124,13 @@ def _raw(transport: Transport, resp: requests.Response, ctx: RequestContext, sta
     completed = False
     try:
         for chunk in transport.iter_raw(resp, stage) if chunks is None else chunks:
-            ctx.bytes_out += len(chunk)
+            ctx.relayed(len(chunk), event=False)
             yield chunk
         completed = True
         ctx.finish()
     except ProxyError as err:
         logger.warning("request %s: %s body ended early: %s", ctx.request_id, stage, err)
-        ctx.finish(error=err.message)
+        ctx.finish(error=err)
         raise
     except GeneratorExit:
         ctx.finish(error="client disconnected")

@@ -12,6 +12,9 @@ sets variables.
 import logging
 import os
 
+# Standard library only (the master must not load ssl); see its docstring.
+from epd_flask import metricsdir
+
 # Listen address: EPD_BIND wins, else HOST/PORT (make run uses PORT).
 bind = os.environ.get("EPD_BIND") or (
     f"{os.environ.get('HOST', '127.0.0.1')}:{os.environ.get('PORT', '8000')}"
@@ -60,7 +63,9 @@ loglevel = os.environ.get("EPD_LOG_LEVEL", "info")
 
 
 def on_starting(server):
-    """Route the proxy's own loggers to stderr next to gunicorn's; workers inherit this."""
+    """Route the proxy's own loggers to stderr next to gunicorn's, and give the workers an
+    empty metrics directory to share; workers inherit both through fork. (Only at start: a
+    reload keeps the directory, so counters keep counting across it.)"""
     log = logging.getLogger("epd_flask")
     if not log.handlers:
         handler = logging.StreamHandler()
@@ -69,6 +74,15 @@ def on_starting(server):
         log.addHandler(handler)
         log.propagate = False
     log.setLevel(os.environ.get("EPD_LOG_LEVEL", "info").upper())
+    requests_log = logging.getLogger("epd_flask.requests")
+    if os.environ.get("EPD_LOG_FORMAT", "").strip().lower() == "json" \
+            and not requests_log.handlers:
+        # One bare JSON document per line (it carries its own timestamp).
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        requests_log.addHandler(handler)
+        requests_log.propagate = False
+    metricsdir.prepare()
 
 
 def post_worker_init(worker):
@@ -76,6 +90,15 @@ def post_worker_init(worker):
     services = getattr(worker.wsgi, "extensions", {}).get("epd_flask")
     if services is not None:
         services.start()
+
+
+def child_exit(server, worker):
+    """A dead worker's live gauges (in-flight calls) must not be summed any more."""
+    metricsdir.mark_process_dead(worker.pid)
+
+
+def on_exit(server):
+    metricsdir.cleanup()
 
 
 def worker_exit(server, worker):
