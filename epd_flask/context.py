@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -160,6 +161,7 @@ class RequestContext:
     def _log_doc(self) -> dict[str, object]:
         doc: dict[str, object] = {
             "ts": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
+            "pid": os.getpid(),  # which worker: a bare JSON line has no log prefix
             "request_id": self.request_id, "route": self.route, "status": self.status,
             "instances": dict(self.instances), "timings_ms": dict(self.timings),
             "retries": self.retries, "chunks": self.chunks, "bytes": self.bytes_out,

@@ -49,3 +49,29 @@ class RawStream:
     def hang_up(self) -> None:
         self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
+
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def scrape(base_url: str) -> Samples:
+    """GET /metrics and parse it with the Prometheus client's own text parser."""
+    import requests
+    from prometheus_client.parser import text_string_to_metric_families
+
+    resp = requests.get(base_url + "/metrics", timeout=10)
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["Content-Type"].startswith("text/plain")
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(resp.text) for s in family.samples}
+
+
+def sample(samples: Samples, name: str, **labels: str) -> float:
+    """One series' value (0 when absent, as a counter that never moved)."""
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+def total(samples: Samples, name: str, **labels: str) -> float:
+    """Sum of every series of ``name`` whose labels include ``labels``."""
+    want = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)

@@ -1,0 +1,90 @@
+"""Metrics and request logs through real gunicorn with two gevent workers: one scrape must see
+the sum of both workers, and every request must be counted and logged exactly once."""
+
+from __future__ import annotations
+
+import collections
+import json
+import re
+import time
+
+import gevent.pool
+import pytest
+import requests
+
+from tests.helpers import sample, scrape, total
+
+pytestmark = pytest.mark.e2e
+
+CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "tell me a story"}],
+        "max_tokens": 10, "temperature": 0}
+COMPLETION = {"model": "tiny-llama", "prompt": "hello world", "max_tokens": 6}
+
+
+def roster(prefill, decode, **settings) -> dict:
+    return {"settings": settings, "instances": [{"role": "prefill", "url": prefill.url},
+                                                {"role": "decode", "url": decode.url}]}
+
+
+def mixed_load(base: str) -> list[tuple[str, int]]:
+    """A bounded mix sent 16 at a time: streams, whole answers, client errors, upstream
+    rejections, injected upstream failures (armed by the caller) and pass-through calls."""
+    jobs: list[tuple[str, str, dict]] = []
+    jobs += [("/v1/chat/completions", "POST", {"json": {**CHAT, "stream": True}})] * 24
+    jobs += [("/v1/completions", "POST", {"json": COMPLETION})] * 12
+    jobs += [("/v1/completions", "POST", {"data": b"{oops",
+                                          "headers": {"Content-Type": "application/json"}})] * 5
+    jobs += [("/v1/chat/completions", "POST", {"json": {**CHAT, "model": "no-such-model"}})] * 5
+    jobs += [("/v1/models", "GET", {})] * 4
+
+    def send(job: tuple[str, str, dict]) -> tuple[str, int]:
+        path, method, kw = job
+        r = requests.request(method, base + path, timeout=30, **kw)
+        r.content  # noqa: B018 - read to the end: the request is over only then
+        route = path if path.startswith("/v1/c") else "passthrough"
+        return route, r.status_code
+
+    return gevent.pool.Pool(16).map(send, jobs)
+
+
+def test_one_scrape_sums_both_workers_and_counts_every_request_once(procs) -> None:
+    p = procs["sim"]("prefill")
+    d = procs["sim"]("decode", "--token-delay-ms", "10", "--output-tokens", "10")
+    gw = procs["gunicorn"](roster(p, d, decode_retries=0), workers=2,
+                           env={"EPD_LOG_FORMAT": "json"})
+    d.control("faults", fail_next=4)
+    started = time.monotonic()
+    load = gevent.spawn(mixed_load, gw.url)
+    gevent.sleep(0.2)
+    with requests.get(gw.url + "/status", timeout=30) as page:  # while the load runs
+        assert page.status_code == 200
+        assert re.search(rf"{re.escape(d.url)}\s+LIVE", re.sub(r"<[^>]+>", " ", page.text))
+    results = load.get(timeout=60)
+    elapsed = time.monotonic() - started
+    sent = collections.Counter(results)
+    assert sent[("/v1/chat/completions", 500)] + sent[("/v1/completions", 500)] == 4
+    assert sent[("/v1/completions", 400)] == 5 and sent[("passthrough", 200)] == 4
+
+    scrapes = [scrape(gw.url) for _ in range(6)]  # answered by either worker
+    for metrics in scrapes:
+        assert total(metrics, "epd_requests_total") == len(results) == 50
+        for (route, status), n in sent.items():
+            assert sample(metrics, "epd_requests_total", route=route, status=str(status)) == n
+        assert sample(metrics, "epd_upstream_in_flight", role="decode", instance=d.url) == 0
+
+    # One bare JSON line per request, never two, from both workers.
+    docs = [json.loads(line) for line in gw.log.read_text().splitlines()
+            if line.startswith('{"ts"')]
+    assert len(docs) == 50
+    assert collections.Counter((doc["route"] if doc["route"].startswith("/v1/c")
+                                else "passthrough", doc["status"]) for doc in docs) == sent
+    per_worker = collections.Counter(doc["pid"] for doc in docs)
+    assert len(per_worker) == 2, per_worker
+    streamed = [doc for doc in docs if doc["chunks"] > 0]
+    assert all(set(doc["timings_ms"]) == {"prefill", "decode_first_byte", "first_byte", "total"}
+               for doc in streamed)
+    chunks = sample(scrapes[0], "epd_streamed_chunks_total", route="/v1/chat/completions",
+                    instance=d.url)
+    assert chunks == sum(doc["chunks"] for doc in streamed)
+    print(f"\n50 requests in {elapsed * 1000:.0f} ms; per worker {dict(per_worker)}; "
+          f"client statuses {dict(sent)}; streamed chunks {chunks:.0f}")

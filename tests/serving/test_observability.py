@@ -1,0 +1,256 @@
+"""Metrics, request logs and the status page, seen the way an operator sees them: /metrics
+scraped over HTTP, /status fetched as HTML, log records as written.
+
+Metrics are process-wide (one registry per process, like the Prometheus client's), so every
+test compares a scrape after with a scrape before.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+
+import gevent
+import pytest
+import requests
+
+from tests.helpers import RawStream, free_port, pd_roster, sample, scrape, total
+
+CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "tell me a story"}],
+        "max_tokens": 8, "temperature": 0}
+COMPLETION = {"model": "tiny-llama", "prompt": "hello world", "max_tokens": 6}
+H = "epd_stage_duration_seconds_count"
+
+
+def diff(after, before, name, **labels) -> float:
+    return sample(after, name, **labels) - sample(before, name, **labels)
+
+
+def wait_for(predicate, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        gevent.sleep(0.02)
+    return predicate()
+
+
+def request_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "epd_flask.requests"]
+
+
+def test_requests_are_counted_by_route_and_status_and_stages_timed_per_instance(
+        sim, proxy) -> None:
+    p, d = sim("prefill"), sim("decode")
+    px = proxy(pd_roster([p], [d]))
+    before = scrape(px.url)
+    assert requests.post(px.url + "/v1/chat/completions", json={**CHAT, "stream": True},
+                         timeout=10).status_code == 200
+    assert requests.post(px.url + "/v1/completions", json=COMPLETION, timeout=10).ok
+    bad = requests.post(px.url + "/v1/completions", data=b"{nope", timeout=10,
+                        headers={"Content-Type": "application/json"})
+    assert bad.status_code == 400
+    assert requests.get(px.url + "/v1/models", timeout=10).status_code == 200
+    assert requests.get(px.url + "/some/scanner/path-123", timeout=10).status_code == 404
+    after = scrape(px.url)
+
+    routes = {"/v1/chat/completions": {"200": 1}, "/v1/completions": {"200": 1, "400": 1},
+              "passthrough": {"200": 1, "404": 1}}
+    for route, statuses in routes.items():
+        for status, n in statuses.items():
+            assert diff(after, before, "epd_requests_total", route=route, status=status) == n
+    assert total(after, "epd_requests_total") - total(before, "epd_requests_total") == 5
+    # A free-form path never becomes a label value.
+    assert not any("scanner" in v for (_, labels) in after for _, v in labels)
+    assert diff(after, before, H, stage="prefill", instance=p.url) == 2
+    assert diff(after, before, H, stage="decode_first_byte", instance=d.url) == 2
+    assert diff(after, before, "epd_request_first_byte_seconds_count",
+                route="/v1/chat/completions", instance=d.url) == 1
+    # 8 tokens: a role chunk, 8 content chunks and [DONE] at least.
+    assert diff(after, before, "epd_streamed_chunks_total", route="/v1/chat/completions",
+                instance=d.url) >= 9
+    # Buckets reach from a millisecond to ten minutes.
+    les = {dict(labels)["le"] for (name, labels) in after
+           if name == "epd_stage_duration_seconds_bucket"}
+    assert {"0.001", "600.0", "+Inf"} <= les
+
+
+def test_retries_and_upstream_errors_are_counted_by_cause_and_instance(sim, proxy) -> None:
+    p, d = sim("prefill"), sim("decode")
+    dead = f"http://127.0.0.1:{free_port()}"
+    doc = pd_roster([p], [d], decode_retries=1, fail_threshold=100)
+    doc["instances"].append({"role": "decode", "url": dead})
+    px = proxy(doc)
+    before = scrape(px.url)
+    for _ in range(4):
+        assert requests.post(px.url + "/v1/completions", json=COMPLETION, timeout=10).ok
+    after = scrape(px.url)
+    refused = diff(after, before, "epd_upstream_errors_total", stage="decode", instance=dead,
+                   kind="upstream_unavailable")
+    assert refused >= 1  # round-robin sent some first attempts to the dead decode...
+    # ...and each of those, only those, was retried for that cause.
+    assert diff(after, before, "epd_retries_total", stage="decode",
+                cause="upstream_unavailable") == refused
+    assert total(after, "epd_retries_total") - total(before, "epd_retries_total") == refused
+
+    single = proxy(pd_roster([p], [d], decode_retries=1))
+    before = scrape(single.url)
+    d.state.inject(fail_next=2)
+    failed = requests.post(single.url + "/v1/completions", json=COMPLETION, timeout=10)
+    assert failed.status_code == 500
+    after = scrape(single.url)
+    assert diff(after, before, "epd_upstream_errors_total", stage="decode", instance=d.url,
+                kind="upstream_error") == 2
+    assert diff(after, before, "epd_retries_total", stage="decode", cause="upstream_error") == 1
+    assert diff(after, before, "epd_requests_total", route="/v1/completions", status="500") == 1
+    # Nothing stays in flight after the failures.
+    assert sample(after, "epd_upstream_in_flight", role="decode", instance=dead) == 0
+    assert sample(after, "epd_upstream_in_flight", role="decode", instance=d.url) == 0
+
+
+def test_in_flight_follows_an_open_stream(sim, proxy) -> None:
+    p, d = sim("prefill"), sim("decode", token_delay=0.05, output_tokens=200)
+    px = proxy(pd_roster([p], [d]))
+    client = RawStream(px.url, "/v1/chat/completions", {**CHAT, "max_tokens": 200,
+                                                        "stream": True})
+    client.first_event()
+    during = scrape(px.url)
+    assert sample(during, "epd_upstream_in_flight", role="decode", instance=d.url) == 1
+    assert sample(during, "epd_upstream_in_flight", role="prefill", instance=p.url) == 0
+    client.hang_up()
+    assert wait_for(lambda: sample(scrape(px.url), "epd_upstream_in_flight", role="decode",
+                                   instance=d.url) == 0)
+
+
+def test_probe_failures_evictions_rejoins_and_live_gauges(sim, proxy) -> None:
+    p, d1, d2 = sim("prefill"), sim("decode"), sim("decode")
+    px = proxy(pd_roster([p], [d1, d2], probe_interval=0.05, fail_threshold=2), probes=True)
+    assert wait_for(lambda: sample(scrape(px.url), "epd_instance_last_probe_ok",
+                                   role="decode", instance=d1.url) == 1)
+    before = scrape(px.url)
+    d1.state.inject(health_fail=True)
+    assert wait_for(lambda: sample(scrape(px.url), "epd_instance_live", role="decode",
+                                   instance=d1.url) == 0)
+    evicted = scrape(px.url)
+    assert sample(evicted, "epd_instances", role="decode", state="evicted") == 1
+    assert sample(evicted, "epd_instances", role="decode", state="live") == 1
+    assert sample(evicted, "epd_instance_last_probe_ok", role="decode", instance=d1.url) == 0
+    assert diff(evicted, before, "epd_evictions_total", role="decode", instance=d1.url) == 1
+    assert diff(evicted, before, "epd_probe_failures_total", role="decode",
+                instance=d1.url) >= 2
+    d1.state.inject(health_fail=False)
+    assert wait_for(lambda: sample(scrape(px.url), "epd_instance_live", role="decode",
+                                   instance=d1.url) == 1)
+    after = scrape(px.url)
+    assert diff(after, before, "epd_rejoins_total", role="decode", instance=d1.url) == 1
+    assert sample(after, "epd_instances", role="decode", state="live") == 2
+    assert sample(after, "epd_instance_last_probe_latency_seconds", role="decode",
+                  instance=d2.url) > 0
+
+
+def test_status_page_shows_roster_state_and_stage_percentiles(sim, proxy) -> None:
+    p, d1, d2 = sim("prefill"), sim("decode"), sim("decode")
+    px = proxy(pd_roster([p], [d1, d2], fail_threshold=1))
+    px.services.history.sample()  # the window's start
+    for _ in range(4):
+        assert requests.post(px.url + "/v1/chat/completions", json={**CHAT, "stream": True},
+                             timeout=10).ok
+    px.services.registry.record_failure(d2.url, "test: gone")
+    r = requests.get(px.url + "/status", timeout=10)
+    assert r.status_code == 200 and r.headers["Content-Type"].startswith("text/html")
+    page = r.text
+    for asset in ("<script", "<link", "src=", "@import", "url("):
+        assert asset not in page  # nothing to fetch: works offline and in a terminal
+    text = re.sub(r"<[^>]+>", " ", page)  # what a terminal browser shows
+    assert re.search(rf"{re.escape(d1.url)}\s+LIVE\s+", text)
+    assert re.search(rf"{re.escape(d2.url)}\s+EVICTED\s+", text)
+    assert "decode: 1 live, 1 evicted" in text
+    assert "prefill: 1 live, 0 evicted" in text
+    # Four chat requests in the window, with a rate and percentiles per stage.
+    assert re.search(r"/v1/chat/completions\s+200\s+4\s+\d+\.\d\d", text)
+    for stage in ("prefill", "decode_first_byte", "first byte (end to end)",
+                  "total (end to end)"):
+        row = re.search(rf"{re.escape(stage)}\s+4\s+\S+\s+([\d.]+) ms\s+([\d.]+) ms", text)
+        assert row, stage
+        assert 0 < float(row.group(1)) <= float(row.group(2))
+    assert "over the last" in text
+
+
+def test_one_log_line_per_request_with_instances_and_stage_timings(
+        sim, proxy, caplog: pytest.LogCaptureFixture) -> None:
+    p, d = sim("prefill"), sim("decode")
+    px = proxy(pd_roster([p], [d]))
+    with caplog.at_level(logging.INFO, logger="epd_flask"):
+        r = requests.post(px.url + "/v1/chat/completions", json={**CHAT, "stream": True},
+                          headers={"X-Request-Id": "log-me-1"}, timeout=10)
+        assert r.ok
+        assert requests.post(px.url + "/v1/completions", data=b"[]", timeout=10,
+                             headers={"Content-Type": "application/json"}).status_code == 400
+    lines = request_lines(caplog)
+    assert len(lines) == 2
+    fields = dict(kv.split("=", 1) for kv in lines[0].split(" ") if "=" in kv)
+    assert fields["request_id"] == "log-me-1" and fields["status"] == "200"
+    assert fields["prefill"] == p.url and fields["decode"] == d.url
+    for key in ("prefill_ms", "decode_first_byte_ms", "first_byte_ms", "total_ms"):
+        assert float(fields[key]) > 0, key
+    assert float(fields["first_byte_ms"]) <= float(fields["total_ms"])
+    assert int(fields["chunks"]) >= 9 and int(fields["bytes"]) == len(r.content)
+    assert fields["retries"] == "0"
+    assert "status=400" in lines[1] and 'error="request body must be a JSON object' in lines[1]
+    assert not [rec for rec in caplog.records if rec.name == "epd_flask.upstream"]
+
+
+def test_json_log_lines_and_the_upstream_call_switch(
+        sim, proxy, caplog: pytest.LogCaptureFixture) -> None:
+    p, d = sim("prefill"), sim("decode")
+    px = proxy(pd_roster([p], [d]), log_format="json", log_upstream=True)
+    with caplog.at_level(logging.INFO, logger="epd_flask"):
+        assert requests.post(px.url + "/v1/completions", json=COMPLETION, timeout=10).ok
+    (line,) = request_lines(caplog)
+    doc = json.loads(line)
+    assert doc["status"] == 200 and doc["instances"] == {"prefill": p.url, "decode": d.url}
+    assert set(doc["timings_ms"]) == {"prefill", "decode_first_byte", "first_byte", "total"}
+    assert doc["ts"] and doc["request_id"]
+    calls = [r.getMessage() for r in caplog.records if r.name == "epd_flask.upstream"]
+    assert len(calls) == 2
+    assert "stage=prefill" in calls[0] and f"instance={p.url}" in calls[0]
+    assert "stage=decode" in calls[1] and "status=200" in calls[1]
+    assert all(f"request_id={doc['request_id']}" in c for c in calls)
+
+
+def test_profiling_reaches_every_live_instance_and_reports_each(sim, proxy) -> None:
+    p1, p2 = sim("prefill", profiler=True), sim("prefill")
+    d1, d2 = sim("decode", profiler=True), sim("decode", profiler=True)
+    px = proxy(pd_roster([p1, p2], [d1, d2]))
+    r = requests.post(px.url + "/start_profile", timeout=10)
+    assert r.status_code == 200, r.text
+    doc = r.json()
+    assert (doc["ok"], doc["not_found"], doc["failed"]) == (3, 1, 0)
+    outcome = {i["url"]: i["outcome"] for i in doc["instances"]}
+    assert outcome == {p1.url: "ok", p2.url: "not_found", d1.url: "ok", d2.url: "ok"}
+    assert all(s.state.stats()["profiling"] for s in (p1, d1, d2))
+    assert requests.post(px.url + "/stop_profile", timeout=10).json()["ok"] == 3
+    assert not any(s.state.stats()["profiling"] for s in (p1, d1, d2))
+    assert [s.state.stats()["profiles_stopped"] for s in (p1, d1, d2)] == [1, 1, 1]
+
+
+def test_profiling_reports_failures_and_evicted_instances(sim, proxy) -> None:
+    p, d = sim("prefill", profiler=True), sim("decode", profiler=True)
+    dead = f"http://127.0.0.1:{free_port()}"
+    gone = sim("decode", profiler=True)
+    doc = pd_roster([p], [d, gone], fail_threshold=1)
+    doc["instances"].append({"role": "decode", "url": dead})
+    px = proxy(doc)
+    px.services.registry.record_failure(gone.url, "test: evicted")
+    r = requests.post(px.url + "/start_profile", timeout=10)
+    assert r.status_code == 502
+    body = r.json()
+    assert body["error"]["code"] == "profile_failed"
+    outcome = {i["url"]: i["outcome"] for i in body["instances"]}
+    assert outcome == {p.url: "ok", d.url: "ok", dead: "failed", gone.url: "skipped"}
+    assert gone.state.stats()["profiles_started"] == 0
+    nobody = proxy(pd_roster([sim("prefill")], [sim("decode")]))
+    r = requests.post(nobody.url + "/start_profile", timeout=10)
+    assert r.status_code == 503 and r.json()["not_found"] == 2

@@ -1,0 +1,132 @@
+"""Pure pieces of observability: the request log line, percentile math, settings, and the
+multiprocess metrics directory the gunicorn master manages."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client import multiprocess as prom_multiprocess
+
+from epd_flask import context, metricsdir
+from epd_flask.config import ProxyConfig
+from epd_flask.context import RequestContext
+from epd_flask.statuspage import quantile
+
+FIVE_STAGES = {"encode": 41.5, "rewrite": 0.2, "prefill": 12.25, "decode_first_byte": 30.0,
+               "total": 900.0}
+
+
+@pytest.fixture(autouse=True)
+def _default_log_settings():
+    yield
+    context.configure()
+
+
+def epd_ctx() -> RequestContext:
+    ctx = RequestContext("rid-1", "/v1/chat/completions", {})
+    ctx.instances.update({"encode": "http://e:1", "prefill": "http://p:1", "decode": "http://d:1"})
+    ctx.timings.update(FIVE_STAGES)
+    ctx.status, ctx.chunks, ctx.bytes_out = 200, 3, 123
+    return ctx
+
+
+def test_logfmt_line_renders_every_stage_present() -> None:
+    line = epd_ctx().log_line()
+    for stage, ms in FIVE_STAGES.items():
+        assert f" {stage}_ms={ms:g}" in line or f" {stage}_ms={ms}" in line
+    assert line.startswith("request_id=rid-1 route=/v1/chat/completions status=200 ")
+    assert "encode=http://e:1 prefill=http://p:1 decode=http://d:1" in line
+
+
+def test_json_line_renders_every_stage_present() -> None:
+    context.configure("json")
+    doc = json.loads(epd_ctx().log_line())
+    assert doc["timings_ms"] == FIVE_STAGES
+    assert doc["instances"]["encode"] == "http://e:1"
+    assert (doc["status"], doc["chunks"], doc["bytes"]) == (200, 3, 123)
+
+
+def test_logfmt_quotes_values_that_would_break_the_line() -> None:
+    ctx = RequestContext("r", "/a b", {})
+    ctx.error = 'decode said "no" = bad\nnext'
+    line = ctx.log_line()
+    assert 'route="/a b"' in line
+    assert 'error="decode said \\"no\\" = bad\\nnext"' in line
+    assert "\n" not in line
+
+
+def test_chunk_rate_uses_the_time_after_the_first_byte() -> None:
+    ctx = RequestContext("r", "/v1/completions", {})
+    ctx.timings.update({"first_byte": 100.0, "total": 1100.0})
+    ctx.chunks = 51
+    assert ctx.chunks_per_second() == 50.0
+    ctx.chunks = 1
+    assert ctx.chunks_per_second() is None
+
+
+def test_quantile_interpolates_like_prometheus() -> None:
+    # 10 observations: 4 in (0, 0.1], 6 in (0.1, 1]
+    cumulative = [(0.1, 4.0), (1.0, 10.0), (float("inf"), 10.0)]
+    assert quantile(0.5, cumulative) == pytest.approx(0.1 + 0.9 * (1 / 6))
+    assert quantile(0.2, cumulative) == pytest.approx(0.05)
+    assert quantile(0.99, [(0.1, 0.0), (float("inf"), 5.0)]) == 0.1
+    assert quantile(0.5, [(0.1, 0.0), (float("inf"), 0.0)]) is None
+
+
+def test_log_settings_from_the_environment() -> None:
+    assert ProxyConfig.from_env({}).log_format == "logfmt"
+    assert ProxyConfig.from_env({}).log_upstream is False
+    cfg = ProxyConfig.from_env({"EPD_LOG_FORMAT": "JSON", "EPD_LOG_UPSTREAM": "1"})
+    assert (cfg.log_format, cfg.log_upstream) == ("json", True)
+    with pytest.raises(ValueError, match="EPD_LOG_FORMAT"):
+        ProxyConfig.from_env({"EPD_LOG_FORMAT": "xml"})
+    with pytest.raises(ValueError, match="EPD_LOG_UPSTREAM"):
+        ProxyConfig.from_env({"EPD_LOG_UPSTREAM": "maybe"})
+
+
+def test_live_gauge_modes_match_the_library() -> None:
+    assert set(metricsdir.LIVE_GAUGE_MODES) == set(
+        prom_multiprocess._LIVE_GAUGE_MULTIPROCESS_MODES)
+
+
+def test_prepare_empties_an_operator_directory_or_makes_a_private_one(tmp_path: Path) -> None:
+    stale = tmp_path / "counter_123.db"
+    stale.write_bytes(b"old")
+    env = {metricsdir.ENV: str(tmp_path)}
+    assert metricsdir.prepare(env) == str(tmp_path)
+    assert not stale.exists()
+    metricsdir.cleanup(str(tmp_path))
+    assert tmp_path.exists()  # the operator's directory stays
+    env = {}
+    made = metricsdir.prepare(env)
+    assert env[metricsdir.ENV] == made and os.path.isdir(made)
+    metricsdir.cleanup(made)
+    assert not os.path.exists(made)
+
+
+def test_a_dead_workers_live_gauges_go_and_its_counters_stay(tmp_path: Path) -> None:
+    worker = textwrap.dedent("""
+        from prometheus_client import Counter, Gauge
+        Counter("served_total", "x").inc(3)
+        Gauge("open_calls", "x", multiprocess_mode="livesum").inc(2)
+    """)
+    env = {**os.environ, metricsdir.ENV: str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", worker], env=env, timeout=30, check=True)
+    assert proc.returncode == 0
+
+    def collected() -> dict[str, float]:
+        registry = CollectorRegistry()
+        prom_multiprocess.MultiProcessCollector(registry, path=str(tmp_path))
+        return {s.name: s.value for m in registry.collect() for s in m.samples}
+
+    assert collected() == {"served_total": 3.0, "open_calls": 2.0}
+    pid = int(next(tmp_path.glob("gauge_livesum_*.db")).stem.rsplit("_", 1)[1])
+    metricsdir.mark_process_dead(pid, str(tmp_path))
+    assert collected() == {"served_total": 3.0}
