@@ -68,7 +68,7 @@ class EncodeStage:
         ctx.instances["encode"] = ",".join(dict.fromkeys(c.target.url for c in calls))
         try:
             answers = self.fanout.run(calls, concurrency=settings.encoder_concurrency,
-                                      timeout=settings.encoder_timeout)
+                                      timeout=settings.encoder_timeout, ctx=ctx)
         except BackendStatus as err:
             err.retryable = False  # M4: the encoder's own status reaches the client
             raise

@@ -15,6 +15,7 @@ from typing import Any
 import gevent
 from gevent.pool import Pool
 
+from epd_flask.context import RequestContext
 from epd_flask.errors import BackendTimeout, BackendUnavailable, ProxyError
 from epd_flask.registry import Registry
 from epd_flask.roster import Instance
@@ -41,10 +42,11 @@ class Fanout:
         self.registry = registry
 
     def run(self, calls: Sequence[EncoderCall], *, concurrency: int,
-            timeout: float) -> list[bytes]:
-        """The answer bodies, in call order; the first failure is raised as it happens."""
+            timeout: float, ctx: RequestContext | None = None) -> list[bytes]:
+        """The answer bodies, in call order; the first failure is raised as it happens.
+        With ``ctx``, each call is one of the request's upstream legs (in-flight, errors)."""
         pool = Pool(concurrency)
-        greenlets = [pool.spawn(self._call, call, timeout) for call in calls]
+        greenlets = [pool.spawn(self._call, call, timeout, ctx) for call in calls]
         deadline = gevent.Timeout(timeout)
         deadline.start()
         try:
@@ -62,19 +64,31 @@ class Fanout:
             pool.kill(block=True, timeout=CANCEL_GRACE_SECONDS)
         return [g.value for g in greenlets]
 
-    def _call(self, call: EncoderCall, timeout: float) -> bytes | ProxyError:
+    def _call(self, call: EncoderCall, timeout: float,
+              ctx: RequestContext | None) -> bytes | ProxyError:
         """One encoder request; a failure is returned, not raised, so gevent does not print
         it as an unhandled greenlet error."""
         headers = dict(call.headers)
         headers["Content-Type"] = "application/json"
+        url = call.target.url
+        status: int | None = None
+        failure: ProxyError | None = None
+        if ctx is not None:
+            ctx.leg_open(ENCODE_STAGE, call.target.role, url)
         try:
-            resp = self.transport.send("POST", call.target.url + ENCODE_PATH, stage=ENCODE_STAGE,
+            resp = self.transport.send("POST", url + ENCODE_PATH, stage=ENCODE_STAGE,
                                        headers=headers, body=encode_json(call.body),
                                        read_timeout=timeout)
+            status = resp.status_code
             self.transport.raise_for_status(resp, ENCODE_STAGE)
             return self.transport.read_body(resp, ENCODE_STAGE)
         except BackendUnavailable as err:
-            self.registry.record_failure(call.target.url, str(err))
+            self.registry.record_failure(url, str(err))
+            failure = err
             return err
         except ProxyError as err:
+            failure = err
             return err
+        finally:  # also when the fan-out is cancelled: the leg ends with the greenlet
+            if ctx is not None:
+                ctx.leg_close(ENCODE_STAGE, url, status=status, error=failure)

@@ -35,6 +35,8 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 KNOWN_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
 OTHER_ROUTE = "passthrough"
 NO_INSTANCE = ""
+# A stage spread over several instances at once (encoder fan-out) is timed as a whole.
+SEVERAL_INSTANCES = "several"
 # /status compares the newest sample with one this old.
 STATUS_WINDOW_SECONDS = 300.0
 SAMPLE_INTERVAL_SECONDS = 10.0
@@ -108,6 +110,8 @@ class MetricsObserver(Observer):
         self.roles_seen: set[str] = set()
 
     def instance_label(self, url: str | None) -> str:
+        if url and "," in url and all(u in self.known for u in url.split(",")):
+            return SEVERAL_INSTANCES
         return url if url in self.known else NO_INSTANCE
 
     def request_finished(self, ctx: RequestContext) -> None:

@@ -168,13 +168,21 @@ def test_status_page_shows_roster_state_and_stage_percentiles(sim, proxy) -> Non
     assert re.search(rf"{re.escape(d2.url)}\s+EVICTED\s+", text)
     assert "decode: 1 live, 1 evicted" in text
     assert "prefill: 1 live, 0 evicted" in text
-    # Four chat requests in the window, with a rate and percentiles per stage.
-    assert re.search(r"/v1/chat/completions\s+200\s+4\s+\d+\.\d\d", text)
-    for stage in ("prefill", "decode_first_byte", "first byte (end to end)",
-                  "total (end to end)"):
-        row = re.search(rf"{re.escape(stage)}\s+4\s+\S+\s+([\d.]+) ms\s+([\d.]+) ms", text)
+    # Four chat requests in the window, with a rate and percentiles per stage and instance.
+    # (Other tests' late finishes may add to the process-wide route totals, never to the
+    # rows of this test's own instances.)
+    routes = re.search(r"/v1/chat/completions\s+200\s+(\d+)\s+\d+\.\d\d", text)
+    assert routes and int(routes.group(1)) >= 4
+    assert re.search(rf"{re.escape(p.url)}\s+LIVE\s+not yet\s+-\s+0\s+4\s+0", text)
+    for url in (d1.url, d2.url):  # calls and errors per instance: round-robin, two each
+        assert re.search(rf"{re.escape(url)}\s+[A-Z]+\s+not yet\s+-\s+0\s+2\s+0", text)
+    for stage, instance, n in (("prefill", p.url, 4), ("decode_first_byte", d1.url, 2)):
+        row = re.search(rf"{re.escape(instance)}\s+{n}\s+\S+\s+([\d.]+) ms\s+([\d.]+) ms", text)
         assert row, stage
         assert 0 < float(row.group(1)) <= float(row.group(2))
+    for stage in ("first byte (end to end)", "total (end to end)"):
+        row = re.search(rf"{re.escape(stage)}\s+(\d+)\s+\S+\s+([\d.]+) ms\s+([\d.]+) ms", text)
+        assert row and int(row.group(1)) >= 4, stage
     assert "over the last" in text
 
 
@@ -254,3 +262,59 @@ def test_profiling_reports_failures_and_evicted_instances(sim, proxy) -> None:
     nobody = proxy(pd_roster([sim("prefill")], [sim("decode")]))
     r = requests.post(nobody.url + "/start_profile", timeout=10)
     assert r.status_code == 503 and r.json()["not_found"] == 2
+
+
+def test_multimodal_epd_request_logs_all_five_stage_timings(
+        sim, proxy, caplog: pytest.LogCaptureFixture) -> None:
+    e0, e1 = sim("encode", ttft=0.05), sim("encode", ttft=0.05)
+    p, d = sim("prefill"), sim("decode")
+    doc = {"instances": [{"role": "encode", "url": e0.url}, {"role": "encode", "url": e1.url},
+                         {"role": "prefill", "url": p.url}, {"role": "decode", "url": d.url}]}
+    px = proxy(doc, log_upstream=True)
+    images = [{"type": "image_url", "image_url": {"url": f"https://media.invalid/{i}.png"}}
+              for i in range(3)]
+    body = {**CHAT, "stream": True, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "what is this?"}, *images]}]}
+    before = scrape(px.url)
+    with caplog.at_level(logging.INFO, logger="epd_flask"):
+        r = requests.post(px.url + "/v1/chat/completions", json=body, timeout=20,
+                          headers={"X-Request-Id": "epd-log-1"})
+        assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+    after = scrape(px.url)
+    (line,) = request_lines(caplog)
+    print(f"\n{line}")
+    fields = dict(kv.split("=", 1) for kv in line.split(" ") if "=" in kv)
+    stages = ("encode", "rewrite", "prefill", "decode_first_byte", "total")
+    ms = {stage: float(fields[f"{stage}_ms"]) for stage in stages}
+    assert ms["encode"] >= 50  # the encoders' time to answer
+    assert ms["total"] >= ms["encode"] + ms["rewrite"] + ms["prefill"] + ms["decode_first_byte"]
+    assert fields["encode"] == f"{e0.url},{e1.url}" and fields["decode"] == d.url
+    # Per-upstream-call lines: one batched call per encoder, prefill, decode.
+    calls = [rec.getMessage() for rec in caplog.records if rec.name == "epd_flask.upstream"]
+    print("\n".join(calls))
+    assert sorted(re.search(r"stage=(\w+)", c).group(1) for c in calls) == [
+        "decode", "encode", "encode", "prefill"]
+    assert all("request_id=epd-log-1" in c and "status=200" in c for c in calls)
+    # Per-encoder bookkeeping in the metrics; the stage as a whole spans both encoders.
+    assert diff(after, before, H, stage="encode", instance="several") == 1
+    assert diff(after, before, H, stage="rewrite", instance="") == 1
+    for e in (e0, e1):
+        assert sample(after, "epd_upstream_in_flight", role="encode", instance=e.url) == 0
+
+
+def test_a_failing_encoder_is_counted_against_that_encoder(sim, proxy) -> None:
+    e, p, d = sim("encode"), sim("prefill"), sim("decode")
+    doc = {"instances": [{"role": "encode", "url": e.url}, {"role": "prefill", "url": p.url},
+                         {"role": "decode", "url": d.url}]}
+    px = proxy(doc)
+    e.state.inject(fail_next=1, fail_status=500)
+    body = {**CHAT, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "https://media.invalid/x.png"}}]}]}
+    before = scrape(px.url)
+    r = requests.post(px.url + "/v1/chat/completions", json=body, timeout=20)
+    assert r.status_code == 500
+    after = scrape(px.url)
+    assert diff(after, before, "epd_upstream_errors_total", stage="encode", instance=e.url,
+                kind="upstream_error") == 1
+    assert sample(after, "epd_upstream_in_flight", role="encode", instance=e.url) == 0
+    assert p.state.stats()["completions"] == 0
