@@ -117,6 +117,8 @@ def _latencies(now: Snapshot, then: Snapshot | None) -> list[Latency]:
         row = _latency(stage, by_stage[(stage,)])
         row.detail = [_latency(instance or "(no instance)", b)
                       for (s, instance), b in sorted(by_instance.items()) if s == stage]
+        if all(d.name == "(no instance)" for d in row.detail):
+            row.detail = []  # a proxy-side step (rewrite): the stage row says it all
         out.append(row)
     for name, label in (("epd_request_first_byte_seconds_bucket", "first byte (end to end)"),
                         ("epd_request_duration_seconds_bucket", "total (end to end)")):
@@ -155,7 +157,7 @@ def build(now: Snapshot, then: Snapshot | None, fleet: Sequence[FleetEntry],
             gauge["epd_upstream_in_flight"].get(key, 0.0),
             calls.get(key, 0.0), errors.get(key, 0.0)))
     requests = sorted((route, status, n) for (route, status), n in summed(
-        delta(now, then, "epd_requests_total"), ["route", "status"]).items())
+        delta(now, then, "epd_requests_total"), ["route", "status"]).items() if n > 0)
     counters = []
     for title, name, by in (
             ("Retries by stage and cause", "epd_retries_total", ["stage", "cause"]),
@@ -185,7 +187,7 @@ table{border-collapse:collapse;margin:.3em 0 1em}
 th,td{border:1px solid #bbb;padding:.15em .6em;text-align:right}
 th{background:#eee}td.l,th.l{text-align:left}
 .live{color:#060;font-weight:bold}.evicted{color:#b00;font-weight:bold}
-.sub td.l{padding-left:2em;color:#444}
+.sub td.l{padding-left:1.5em;color:#444}
 """
 
 
@@ -248,7 +250,8 @@ def render(status: Status) -> str:
                    "<th>per second</th><th>p50</th><th>p99</th></tr>")
         for lat in status.latencies:
             out.append(_latency_row(lat, status.window, ""))
-            out.extend(_latency_row(d, status.window, " class=\"sub\"") for d in lat.detail)
+            out.extend(_latency_row(d, status.window, " class=\"sub\"", "&nbsp;&nbsp;")
+                       for d in lat.detail)
         out.append("</table>")
     else:
         out.append("<p>No timed stages.</p>")
@@ -264,8 +267,9 @@ def render(status: Status) -> str:
     return "\n".join(out)
 
 
-def _latency_row(lat: Latency, window: float | None, cls: str) -> str:
-    return (f"<tr{cls}><td class=\"l\">{html.escape(lat.name)}</td><td>{lat.count:.0f}</td>"
+def _latency_row(lat: Latency, window: float | None, cls: str, indent: str = "") -> str:
+    return (f"<tr{cls}><td class=\"l\">{indent}{html.escape(lat.name)}</td>"
+            f"<td>{lat.count:.0f}</td>"
             f"<td>{_rate(lat.count, window)}</td><td>{_ms(lat.p50)}</td>"
             f"<td>{_ms(lat.p99)}</td></tr>")
 
