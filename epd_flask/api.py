@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 from flask import Blueprint, Response, current_app, request
+from werkzeug.exceptions import HTTPException
 
 from epd_flask import cooperate, edge, jsoncodec
 from epd_flask.config import DEFAULT_MAX_JSON_DEPTH
@@ -121,6 +122,9 @@ def completions() -> Response:
         reply = _services().pipeline.completion(request.path, body, ctx)
     except ProxyError as err:
         raise _fail(err, ctx) from None
+    except HTTPException as exc:  # werkzeug's own refusals (413 ...) are requests too
+        ctx.finish(status=exc.code, error=exc.description or exc.name)
+        raise
     return _respond(reply)
 
 
@@ -162,4 +166,7 @@ def passthrough(path: str) -> Response:
             request.headers.get("Content-Type"), ctx)
     except ProxyError as err:
         raise _fail(err, ctx) from None
+    except HTTPException as exc:  # werkzeug's own refusals (413 ...) are requests too
+        ctx.finish(status=exc.code, error=exc.description or exc.name)
+        raise
     return _respond(reply)

@@ -318,3 +318,16 @@ def test_a_failing_encoder_is_counted_against_that_encoder(sim, proxy) -> None:
                 kind="upstream_error") == 1
     assert sample(after, "epd_upstream_in_flight", role="encode", instance=e.url) == 0
     assert p.state.stats()["completions"] == 0
+
+
+def test_a_body_over_the_limit_is_logged_and_counted_too(
+        sim, proxy, caplog: pytest.LogCaptureFixture) -> None:
+    px = proxy(pd_roster([sim("prefill")], [sim("decode")]), max_body_bytes=100)
+    before = scrape(px.url)
+    with caplog.at_level(logging.INFO, logger="epd_flask"):
+        r = requests.post(px.url + "/v1/completions", json={"prompt": "x" * 500}, timeout=5)
+    assert r.status_code == 413
+    after = scrape(px.url)
+    assert diff(after, before, "epd_requests_total", route="/v1/completions", status="413") == 1
+    (line,) = request_lines(caplog)
+    assert "status=413" in line
