@@ -192,8 +192,9 @@ def targets_section(table: dict[tuple[str, str, str], dict[str, Any]]) -> list[s
                    f"| {'yes' if d['med_gap'] <= 40 else 'no'} |")
     if d and d.get("stall_ms") is not None:
         out.append("| d: no stall > 20 ms: the longest the worker's event loop was held "
-                   "(CPU time of the worker between two ticks of a 1 ms probe, so not "
-                   f"inflated by a busy machine) | {d['stall_ms']:.1f} ms "
+                   "while the large requests ran (CPU time of the worker between two ticks of "
+                   "a 1 ms probe, so not inflated by a busy machine) "
+                   f"| {d['stall_ms']:.1f} ms "
                    f"| {'yes' if d['stall_ms'] <= 20 else 'no'} |")
     alone = get("d-alone", "epd-flask")
     if alone:

@@ -80,8 +80,9 @@ class Workload:
     deadline: float = 60.0
     # Knobs per encoder (the rest get ttft 0); None: all at zero latency.
     encoders: list[dict[str, Any]] | None = None
-    # Record how long epd-flask's event loop was held (gunicorn_bench.conf.py's probe).
-    stall_probe: bool = False
+    # Record how long epd-flask's event loop was held (gunicorn_bench.conf.py's probe),
+    # counting from this many seconds after the start (after the streams' own ramp).
+    stall_probe: float | None = None
 
 
 @dataclass
@@ -194,7 +195,7 @@ def build_workloads(quick: bool, workdir: Path) -> list[Workload]:
                    "concurrency": 100, "requests": 100, "ramp": 0.5},
                   {"name": "d-big", "path": CHAT, "body_file": big,
                    "concurrency": 1, "requests": 5, "delay": 1.5}], repeats=1,
-                 stall_probe=True),
+                 stall_probe=1.4),
         Workload("d-alone", "the 4 MB request alone, one after the other (its own proxy CPU)",
                  {"token_delay": 0.0, "output_tokens": 16},
                  [{"name": "d-alone", "path": CHAT, "body_file": big,
@@ -387,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
                 for target in targets:
                     prof = (Path(args.profile) / f"{wl.name}-{rep + 1}.txt"
                             if args.profile and target.name == "epd-flask" else None)
-                    probe = wl.stall_probe and target.name == "epd-flask"
+                    probe = wl.stall_probe is not None and target.name == "epd-flask"
                     if probe:
                         stall_flag.touch()
                         time.sleep(0.3)  # the probe notices the flag
@@ -395,7 +396,8 @@ def main(argv: list[str] | None = None) -> int:
                     run = measure(target, sims, wl, prof)
                     if probe:
                         stall_flag.unlink()
-                        run["stalls_ms"] = read_stalls(stall_log, started_at)
+                        run["stalls_ms"] = read_stalls(stall_log,
+                                                       started_at + (wl.stall_probe or 0.0))
                     runs[target.name].append(run)
                     print(report.progress_line(wl.name, rep, run), file=sys.stderr, flush=True)
             results.append({"workload": wl.name, "what": wl.what, "runs": runs})
