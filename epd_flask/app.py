@@ -14,18 +14,20 @@ from flask import Flask, Response
 from werkzeug.exceptions import HTTPException
 
 from epd_flask import context, errors, metrics
-from epd_flask import roster as roster_mod
 from epd_flask.config import ProxyConfig
 from epd_flask.connectors import Placement, connector_class
 from epd_flask.discovery import BootstrapDiscovery
 from epd_flask.edge import KeyRing
 from epd_flask.errors import ClientError, ProxyError
+from epd_flask.fleet import Fleet
 from epd_flask.headers import REQUEST_ID_HEADER
 from epd_flask.pipeline import Pipeline
 from epd_flask.prober import Prober
 from epd_flask.registry import Registry
+from epd_flask.reload import boot_roster
 from epd_flask.roster import Roster
 from epd_flask.routing import Router
+from epd_flask.statedir import StateDir
 from epd_flask.tls import TLSFiles
 from epd_flask.transport import Transport
 from epd_flask.urlpolicy import URLPolicy
@@ -38,19 +40,25 @@ EXTENSION = "epd_flask"
 @dataclass
 class Services:
     config: ProxyConfig
-    roster: Roster
     registry: Registry
     router: Router
     transport: Transport
     pipeline: Pipeline
     prober: Prober
+    fleet: Fleet
     discovery: BootstrapDiscovery | None = None
     keys: KeyRing = field(default_factory=lambda: KeyRing(()))
     url_policy: URLPolicy = field(default_factory=URLPolicy)
     history: metrics.History = field(default_factory=metrics.History)
 
+    @property
+    def roster(self) -> Roster:
+        """The roster this worker routes by right now (reloads and admin changes replace it)."""
+        return self.pipeline.roster
+
     def start(self) -> None:
         self.transport.start()
+        self.fleet.start()  # inherit health first, so the first probe round builds on it
         self.prober.start()
         if self.discovery is not None:
             self.discovery.start()
@@ -61,13 +69,14 @@ class Services:
         if self.discovery is not None:
             self.discovery.stop()
         self.history.stop()
+        self.fleet.stop()
         self.transport.close()
 
 
-def build_services(config: ProxyConfig, roster: Roster) -> Services:
+def build_services(config: ProxyConfig, roster: Roster, generation: int = 0) -> Services:
     settings = roster.settings
     registry = Registry(roster.instances, settings.fail_threshold, settings.evicted_ttl)
-    router = Router(registry)
+    router = Router(registry, start=None)
     transport = Transport(
         settings.connect_timeout, config.pool_maxsize,
         idle_timeout=config.upstream_idle_timeout, keepalive=config.upstream_keepalive,
@@ -83,7 +92,10 @@ def build_services(config: ProxyConfig, roster: Roster) -> Services:
         connector = cls(lambda exclude: Placement(router.pick("prefill", exclude)))
     pipeline = Pipeline(roster, registry, router, transport, connector)
     prober = Prober(registry, transport, lambda: pipeline.roster.settings)
-    return Services(config, roster, registry, router, transport, pipeline, prober, discovery,
+    state = StateDir(config.state_dir) if config.state_dir else None
+    fleet = Fleet(roster, generation, registry, pipeline, config.roster_path, state,
+                  prober.probe_now)
+    return Services(config, registry, router, transport, pipeline, prober, fleet, discovery,
                     keys=KeyRing(config.api_keys),
                     url_policy=URLPolicy.build(config.instance_schemes,
                                                config.instance_networks),
@@ -91,19 +103,25 @@ def build_services(config: ProxyConfig, roster: Roster) -> Services:
 
 
 def create_app(config: ProxyConfig | None = None, roster: Roster | None = None) -> Flask:
+    """``roster`` given (tests) is served as is; otherwise the newest validated copy the
+    gunicorn master prepared, or the roster file when no master did."""
     config = config or ProxyConfig.from_env()
+    generation = 0
     if roster is None:
-        roster = roster_mod.load(config.roster_path)
+        state = StateDir(config.state_dir) if config.state_dir else None
+        roster, generation = boot_roster(config.roster_path, state)
     app = Flask("epd_flask")
     app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
     context.configure(config.log_format, config.log_upstream)
     metrics.install()
-    app.extensions[EXTENSION] = build_services(config, roster)
+    app.extensions[EXTENSION] = build_services(config, roster, generation)
 
+    from epd_flask.admin import bp as admin_bp
     from epd_flask.api import bp
     from epd_flask.ops import bp as ops_bp
 
     app.register_blueprint(ops_bp)
+    app.register_blueprint(admin_bp)
     app.register_blueprint(bp)
     app.register_error_handler(ProxyError, error_response)
     app.register_error_handler(HTTPException, http_error_response)

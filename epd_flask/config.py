@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from epd_flask.context import LOG_FORMATS
 from epd_flask.roster import roster_path
+from epd_flask.statedir import STATE_DIR_ENV
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 DEFAULT_POOL_MAXSIZE = 1024
@@ -64,6 +65,7 @@ class ProxyConfig:
             raise ValueError("EPD_UPSTREAM_CLIENT_KEY needs EPD_UPSTREAM_CLIENT_CERT")
     log_format: str = "logfmt"
     log_upstream: bool = False
+    state_dir: str | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> ProxyConfig:
@@ -87,6 +89,7 @@ class ProxyConfig:
             instance_networks=_list(env, "EPD_INSTANCE_NETWORKS"),
             log_format=_choice(env, "EPD_LOG_FORMAT", LOG_FORMATS, "logfmt"),
             log_upstream=_bool(env, "EPD_LOG_UPSTREAM", False),
+            state_dir=env.get(STATE_DIR_ENV) or None,
         )
 
 

@@ -75,6 +75,20 @@ class MethodNotAllowed(ClientError):
     code = "method_not_allowed"
 
 
+class Conflict(ClientError):
+    """The request contradicts the current state (e.g. an instance's role in the roster)."""
+
+    status = 409
+    code = "conflict"
+
+
+class Unprocessable(ClientError):
+    """Well-formed JSON whose fields are invalid."""
+
+    status = 422
+    code = "invalid_fields"
+
+
 class Unauthorized(ProxyError):
     """A serving API key is missing or wrong (OpenAI's 401: an invalid_request_error)."""
 

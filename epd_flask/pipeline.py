@@ -70,14 +70,15 @@ class Pipeline:
         return "prefill_decode" if self.roster.combined else "decode"
 
     def ready(self) -> tuple[bool, str]:
-        """Can a completion be served right now? (readiness, not liveness)"""
+        """Can a completion be served right now? (readiness, not liveness: it counts only
+        instances that answered a probe, so a fresh worker is ready after its first round)"""
         if self.roster.combined:
-            if self.registry.live("prefill_decode"):
+            if self.registry.confirmed("prefill_decode"):
                 return True, "ok"
             return False, "no live prefill_decode instance"
-        if not self.registry.live("decode"):
+        if not self.registry.confirmed("decode"):
             return False, "no live decode instance"
-        if not self.registry.live("prefill"):
+        if not self.registry.confirmed("prefill"):
             return False, "no live prefill instance"
         return self.connector.ready()
 

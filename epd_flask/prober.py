@@ -1,8 +1,8 @@
 """The background greenlet that probes every instance's ``/health`` (R5).
 
 Started by the server (a gunicorn hook, or a test fixture), never by the app factory. The
-first round runs at once so a new worker learns about dead instances before it has routed
-much traffic to them.
+first round runs at once, so a new worker learns about instances that died after the health
+it inherited was written well before a full interval has passed.
 """
 
 from __future__ import annotations
@@ -43,6 +43,14 @@ class Prober:
             self._greenlet.kill(block=False)
             self._greenlet = None
 
+    def probe_now(self, urls: list[str]) -> None:
+        """Probe these instances at once, outside the rhythm of the rounds: an instance added
+        to a running worker is routed to only after it answered (or when nothing else is)."""
+        for url in urls:
+            state = self.registry.get(url)
+            if state is not None:
+                self._pool.spawn(self.probe_one, state)
+
     def probe_all(self) -> None:
         self._pool.map(self.probe_one, self.registry.states())
         self.registry.forget_expired()
@@ -61,6 +69,8 @@ class Prober:
             resp.close()
         except ProxyError as err:
             reason = err.message
+        if self.registry.get(url) is not state:
+            return ok  # removed (or removed and listed anew) meanwhile: this result is stale
         state.last_probe_at = time.time()
         state.last_probe_ok = ok
         bus.probe(state.instance.role, url, ok, time.monotonic() - started)

@@ -1,28 +1,34 @@
 """Live or evicted: what this worker believes about each roster instance.
 
 Fed by active probes and by passive signals from real requests. State is per worker (each
-gunicorn worker probes for itself), keyed by URL so it survives a roster reload for every
-instance that is still listed.
+gunicorn worker probes for itself), keyed by URL so it survives a roster change for every
+instance that is still listed; ``export``/``restore`` carry it across a reload, when gunicorn
+replaces the workers.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from epd_flask.events import FleetEntry, bus
 from epd_flask.roster import Instance
 
 logger = logging.getLogger(__name__)
 
-
 @dataclass
 class InstanceState:
+    """``live`` is optimistic (a new instance is live until it fails); ``confirmed`` means this
+    worker, or the one it inherited state from, has seen the instance answer."""
+
     instance: Instance
     live: bool = True
+    confirmed: bool = False
     failures: int = 0
+    changed_at: float = 0.0
     evicted_at: float | None = None
     last_probe_at: float | None = None
     last_probe_ok: bool | None = None
@@ -45,6 +51,7 @@ class Registry:
         self.fail_threshold = fail_threshold
         self.evicted_ttl = evicted_ttl
         self._states: dict[str, InstanceState] = {}
+        self.version = 0
         self.replace(instances)
 
     def replace(self, instances: Iterable[Instance]) -> None:
@@ -58,6 +65,7 @@ class Registry:
             else:
                 fresh[inst.url] = InstanceState(inst)
         self._states = fresh
+        self.version += 1
         self._announce()
 
     def configure(self, fail_threshold: int, evicted_ttl: float) -> None:
@@ -75,7 +83,16 @@ class Registry:
         return [s.instance for s in states if role is None or s.instance.role == role]
 
     def live(self, role: str) -> list[Instance]:
-        return [s.instance for s in self._states.values() if s.live and s.instance.role == role]
+        """Instances to route to: the confirmed live ones, or while a role has none (a worker's
+        first milliseconds, or a role whose instances were all just added), the optimistic."""
+        up = [s for s in self._states.values() if s.live and s.instance.role == role]
+        confirmed = [s.instance for s in up if s.confirmed]
+        return confirmed or [s.instance for s in up]
+
+    def confirmed(self, role: str) -> list[Instance]:
+        """Live instances known to answer: what readiness counts."""
+        return [s.instance for s in self._states.values()
+                if s.live and s.confirmed and s.instance.role == role]
 
     def record_success(self, url: str, latency: float | None = None) -> None:
         state = self._states.get(url)
@@ -84,7 +101,10 @@ class Registry:
         rejoined = not state.live
         if rejoined:
             logger.info("instance %s (%s) rejoined", url, state.instance.role)
+        if not (state.live and state.confirmed and state.failures == 0):
+            self._changed(state)
         state.live = True
+        state.confirmed = True
         state.failures = 0
         state.evicted_at = None
         state.last_error = None
@@ -95,11 +115,13 @@ class Registry:
             self._announce()
 
     def record_failure(self, url: str, reason: str) -> None:
+        """A failed probe, or a refused connection on a real request (the passive signal)."""
         state = self._states.get(url)
         if state is None:
             return
         state.failures += 1
         state.last_error = reason
+        self._changed(state)
         if state.live and state.failures >= self.fail_threshold:
             state.live = False
             state.evicted_at = time.monotonic()
@@ -109,6 +131,10 @@ class Registry:
             )
             bus.evicted(state.instance.role, url)
             self._announce()
+
+    def _changed(self, state: InstanceState) -> None:
+        state.changed_at = time.time()
+        self.version += 1
 
     def forget_expired(self, now: float | None = None) -> list[str]:
         """Drop instances evicted for longer than the TTL; returns their URLs."""
@@ -123,11 +149,63 @@ class Registry:
             logger.warning("instance %s forgotten after %.0f s evicted", url, self.evicted_ttl)
             del self._states[url]
         if gone:
+            self.version += 1
             self._announce()
         return gone
 
     def _announce(self) -> None:
         bus.fleet([FleetEntry(s.instance.role, url, s.live) for url, s in self._states.items()])
+
+    def export(self) -> dict[str, dict[str, Any]]:
+        """Health by URL as plain JSON-able data, with wall-clock times another process can
+        read (monotonic clocks are not comparable across reboots)."""
+        now_wall, now_mono = time.time(), time.monotonic()
+        out: dict[str, dict[str, Any]] = {}
+        for url, s in self._states.items():
+            out[url] = {
+                "role": s.instance.role, "live": s.live, "confirmed": s.confirmed,
+                "failures": s.failures, "changed_at": s.changed_at,
+                "evicted_at": None if s.evicted_at is None
+                else now_wall - (now_mono - s.evicted_at),
+                "last_probe_at": s.last_probe_at, "last_probe_ok": s.last_probe_ok,
+                "last_latency": s.last_latency, "last_error": s.last_error,
+            }
+        return out
+
+    def restore(self, entries: Mapping[str, Mapping[str, Any]]) -> list[str]:
+        """Adopt exported health for instances still listed in the same role, where it is
+        newer than what this registry knows; returns the URLs adopted."""
+        now_wall, now_mono = time.time(), time.monotonic()
+        adopted = []
+        for url, entry in entries.items():
+            state = self._states.get(url)
+            try:
+                if state is None or entry.get("role") != state.instance.role \
+                        or float(entry.get("changed_at") or 0) <= state.changed_at:
+                    continue
+                evicted_wall = entry.get("evicted_at")
+                state.live = bool(entry["live"])
+                state.confirmed = bool(entry.get("confirmed"))
+                state.failures = int(entry.get("failures") or 0)
+                state.changed_at = float(entry["changed_at"])
+                if state.live:
+                    state.evicted_at = None
+                elif evicted_wall is None:
+                    state.evicted_at = now_mono
+                else:  # the TTL keeps counting from the original eviction
+                    state.evicted_at = now_mono - max(0.0, now_wall - float(evicted_wall))
+                state.last_probe_at = entry.get("last_probe_at")
+                state.last_probe_ok = entry.get("last_probe_ok")
+                state.last_latency = entry.get("last_latency")
+                state.last_error = entry.get("last_error")
+            except (KeyError, TypeError, ValueError):
+                logger.warning("ignoring an unreadable health snapshot entry for %s", url)
+                continue
+            adopted.append(url)
+        if adopted:
+            self.version += 1
+            self._announce()
+        return adopted
 
     def snapshot(self) -> dict[str, dict[str, list[str]]]:
         """Per role, the live and evicted URLs (the /health body)."""

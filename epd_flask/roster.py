@@ -31,6 +31,13 @@ class RosterError(ValueError):
     """A roster that must not be served; the message is written for the operator."""
 
 
+class RoleConflict(RosterError):
+    """Two records disagree about an instance's role, or combined and split roles mix (R1).
+
+    Separate from field errors so the admin API can answer 409 instead of 422.
+    """
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -46,15 +53,27 @@ class Instance(_Strict):
     @field_validator("url", "bootstrap_url")
     @classmethod
     def _http_url(cls, value: str | None) -> str | None:
-        if value is None:
-            return value
-        value = value.strip().rstrip("/")
-        parts = urlsplit(value)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"must be an http:// or https:// URL with a host, got {value!r}")
-        if parts.query or parts.fragment:
-            raise ValueError(f"must not carry a query or fragment, got {value!r}")
-        return value
+        return None if value is None else normalize_url(value)
+
+    def record(self) -> dict[str, Any]:
+        """The fields an operator wrote (defaults left out), as the roster file spells them."""
+        return self.model_dump(mode="json", exclude_defaults=True) | {
+            "role": self.role, "url": self.url}
+
+
+def normalize_url(value: str) -> str:
+    """An instance's identity: its base URL without a trailing slash (R1)."""
+    value = value.strip().rstrip("/")
+    parts = urlsplit(value)
+    try:
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number
+    except ValueError:
+        raise ValueError(f"has an invalid port, got {value!r}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"must be an http:// or https:// URL with a host, got {value!r}")
+    if parts.query or parts.fragment:
+        raise ValueError(f"must not carry a query or fragment, got {value!r}")
+    return value
 
 
 class Settings(_Strict):
@@ -98,13 +117,13 @@ def check_rules(roster: Roster) -> None:
     urls = Counter(i.url for i in roster.instances)
     dupes = sorted(u for u, n in urls.items() if n > 1)
     if dupes:
-        raise RosterError(
+        raise RoleConflict(
             f"instance {dupes[0]} is listed more than once; an instance is identified by its "
             "URL, so list it once with a single role"
         )
     roles = {i.role for i in roster.instances}
     if "prefill_decode" in roles and roles & {"prefill", "decode"}:
-        raise RosterError(
+        raise RoleConflict(
             "prefill_decode instances cannot be mixed with standalone prefill/decode instances "
             "in one roster; use either combined (prefill_decode) or split (prefill + decode)"
         )
@@ -121,11 +140,7 @@ def check_rules(roster: Roster) -> None:
                 f"instance {inst.url}: the p2p_nccl connector needs kv_zmq_addr (host:port of "
                 "its P2pNcclConnector) on every prefill and decode"
             )
-        if inst.ec_zmq_addrs is not None and len(inst.ec_zmq_addrs) != inst.dp_size:
-            raise RosterError(
-                f"instance {inst.url}: ec_zmq_addrs has {len(inst.ec_zmq_addrs)} entries but "
-                f"dp_size is {inst.dp_size}; give exactly one address per data-parallel replica"
-            )
+        check_instance(inst)
     check_ec_consumers(roster)
 
 
@@ -151,6 +166,15 @@ def check_ec_consumers(roster: Roster) -> None:
         )
 
 
+def check_instance(inst: Instance) -> None:
+    """Rules within one record that its fields alone cannot express (R2)."""
+    if inst.ec_zmq_addrs is not None and len(inst.ec_zmq_addrs) != inst.dp_size:
+        raise RosterError(
+            f"instance {inst.url}: ec_zmq_addrs has {len(inst.ec_zmq_addrs)} entries but "
+            f"dp_size is {inst.dp_size}; give exactly one address per data-parallel replica"
+        )
+
+
 def parse(doc: Any, source: str = "<roster>") -> Roster:
     """Validate a parsed YAML document; errors name the source, the instance and the field."""
     if doc is None:
@@ -167,8 +191,27 @@ def parse(doc: Any, source: str = "<roster>") -> Roster:
     try:
         check_rules(roster)
     except RosterError as exc:
-        raise RosterError(f"{source}: {exc}") from None
+        raise type(exc)(f"{source}: {exc}") from None
     return roster
+
+
+def parse_instance(doc: Any, source: str = "instance") -> Instance:
+    """One instance record, validated exactly like an entry of the roster file."""
+    if not isinstance(doc, dict):
+        raise RosterError(f"{source}: an instance must be a JSON object with 'role' and "
+                          f"'url', got {type(doc).__name__}")
+    try:
+        inst = Instance.model_validate(doc)
+    except ValidationError as exc:
+        fields = (
+            f"field {'.'.join(str(p) for p in e.get('loc', ())) or 'record'!r}: {_message(e)}"
+            for e in exc.errors())
+        raise RosterError(f"{source}: " + "; ".join(fields)) from None
+    try:
+        check_instance(inst)
+    except RosterError as exc:
+        raise RosterError(f"{source}: {exc}") from None
+    return inst
 
 
 def load(path: str | os.PathLike[str]) -> Roster:
@@ -204,10 +247,13 @@ def _describe(error: Any, doc: dict[str, Any]) -> str:
             where += f" field {field!r}"
     elif loc and loc[0] == "settings" and len(loc) > 1:
         where = f"settings field {'.'.join(str(p) for p in loc[1:])!r}"
-    message = error.get("msg", "invalid")
+    return f"{where}: {_message(error)}"
+
+
+def _message(error: Any) -> str:
     if error.get("type") == "extra_forbidden":
-        message = "unknown key (check the spelling; unknown keys are not ignored)"
-    return f"{where}: {message}"
+        return "unknown key (check the spelling; unknown keys are not ignored)"
+    return str(error.get("msg", "invalid"))
 
 
 def main(argv: Iterable[str] | None = None) -> int:

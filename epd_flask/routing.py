@@ -7,12 +7,14 @@ roster change or an eviction shifts the list but never restarts the rotation at 
 from __future__ import annotations
 
 import itertools
+import random
 from collections.abc import Iterator
 
 from epd_flask.errors import NoBackend
 from epd_flask.registry import Registry
 from epd_flask.roster import Instance
 
+CURSOR_SPREAD = 1 << 30
 NO_BACKEND_MESSAGES = {
     "decode": "no live decode instance is available",
     "prefill": "no live prefill instance is available",
@@ -22,8 +24,16 @@ NO_BACKEND_MESSAGES = {
 
 
 class Router:
-    def __init__(self, registry: Registry) -> None:
+    """``start=None`` starts each role's cursor at a random position.
+
+    gunicorn replaces every worker on a reload; cursors that all started at 0 would send the
+    first request of each new worker to the same (first) instance after every change. Each
+    worker starting somewhere random keeps the fleet's load even from the first request.
+    """
+
+    def __init__(self, registry: Registry, start: int | None = 0) -> None:
         self.registry = registry
+        self._start = start
         self._cursors: dict[str, Iterator[int]] = {}
         self._replicas: dict[str, Iterator[int]] = {}
 
@@ -54,11 +64,17 @@ class Router:
             return 0
         cursor = self._replicas.get(instance.url)
         if cursor is None:
-            cursor = self._replicas[instance.url] = itertools.count()
+            cursor = self._replicas[instance.url] = self._new_cursor()
         return next(cursor) % instance.dp_size
 
     def _cursor(self, role: str) -> Iterator[int]:
         cursor = self._cursors.get(role)
         if cursor is None:
-            cursor = self._cursors[role] = itertools.count()
+            cursor = self._cursors[role] = self._new_cursor()
         return cursor
+
+    def _new_cursor(self) -> Iterator[int]:
+        start = self._start
+        if start is None:
+            start = random.SystemRandom().randrange(CURSOR_SPREAD)
+        return itertools.count(start)

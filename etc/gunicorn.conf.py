@@ -14,6 +14,9 @@ import os
 
 # Standard library only (the master must not load ssl); see its docstring.
 from epd_flask import metricsdir
+# Roster schema, validation and the state directory (pydantic, PyYAML, json; no ssl, no
+# gevent): the master validates the roster itself.
+from epd_flask import reload as _epd_reload
 
 # Listen address: EPD_BIND wins, else HOST/PORT (make run uses PORT).
 bind = os.environ.get("EPD_BIND") or (
@@ -60,6 +63,8 @@ preload_app = False
 forwarded_allow_ips = os.environ.get("FORWARDED_ALLOW_IPS", "127.0.0.1")
 accesslog = os.environ.get("EPD_ACCESS_LOG") or None
 loglevel = os.environ.get("EPD_LOG_LEVEL", "info")
+# `make reload` and systemd's ExecReload find the master here.
+pidfile = os.environ.get("EPD_PIDFILE") or None
 
 
 def on_starting(server):
@@ -83,6 +88,14 @@ def on_starting(server):
         requests_log.addHandler(handler)
         requests_log.propagate = False
     metricsdir.prepare()
+    # Validate the roster before listening; a bad one stops start-up with the reason.
+    _epd_reload.start(server)
+
+
+def on_reload(server):
+    """SIGHUP: re-read the roster. A bad one is logged and the last good one stays; gunicorn
+    then starts new workers from the good copy and lets the old ones finish their streams."""
+    _epd_reload.refresh(server)
 
 
 def post_worker_init(worker):
@@ -99,6 +112,7 @@ def child_exit(server, worker):
 
 def on_exit(server):
     metricsdir.cleanup()
+    _epd_reload.cleanup(server)
 
 
 def worker_exit(server, worker):

@@ -312,6 +312,9 @@ def test_health_and_readiness(sim, proxy) -> None:
     health = requests.get(px.url + "/health", timeout=5)
     assert health.status_code == 200
     assert health.json()["instances"]["decode"]["live"] == [d.url]
+    # Not ready until an instance of each needed role has answered a probe.
+    assert requests.get(px.url + "/ready", timeout=5).status_code == 503
+    px.services.prober.probe_all()
     assert requests.get(px.url + "/ready", timeout=5).status_code == 200
     empty = proxy({"instances": []})
     assert requests.get(empty.url + "/health", timeout=5).status_code == 200
