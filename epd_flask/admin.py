@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import os
 from typing import Any
 
 from flask import Blueprint, Response, current_app, request
@@ -73,7 +74,7 @@ def register() -> Response:
     except RosterError as exc:
         raise Unprocessable(str(exc)) from None
     change = _change(fleet.register, inst)
-    body = {"status": change.status, "generation": fleet.generation,
+    body = {"status": change.status, "generation": fleet.generation, "worker": os.getpid(),
             "instance": inst.record()}
     return _json(body, 201 if change.status == "registered" else 200)
 
@@ -96,7 +97,7 @@ def unregister() -> Response:
                        param="url") from None
     assert change.instance is not None
     return _json({"status": change.status, "generation": fleet.generation,
-                  "instance": change.instance.record()})
+                  "worker": os.getpid(), "instance": change.instance.record()})
 
 
 def _change(action: Any, arg: Any) -> Any:

@@ -17,6 +17,7 @@ import yaml
 from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
 from ruamel.yaml.error import YAMLError as RuamelError
+from ruamel.yaml.scalarstring import DoubleQuotedScalarString
 
 from epd_flask.roster import Instance, RoleConflict, Roster, RosterError, parse
 from epd_flask.statedir import atomic_write
@@ -135,12 +136,16 @@ def _flow(record: dict[str, Any]) -> CommentedMap:
     entry = CommentedMap()
     for key, value in record.items():
         if isinstance(value, list):
-            seq = CommentedSeq(value)
-            seq.fa.set_flow_style()
-            value = seq
-        entry[key] = value
+            value = CommentedSeq(_quoted(v) for v in value)
+            value.fa.set_flow_style()
+        entry[key] = _quoted(value)
     entry.fa.set_flow_style()
     return entry
+
+
+def _quoted(value: Any) -> Any:
+    """Addresses in double quotes, as the shipped roster writes them."""
+    return DoubleQuotedScalarString(value) if isinstance(value, str) and ":" in value else value
 
 
 def _write(target: Path, doc: Any) -> Roster:

@@ -96,8 +96,8 @@ class Launcher:
         self.log_dir = log_dir
         self.started: list[Process] = []
 
-    def sim(self, role: str, *args: str) -> Process:
-        port = free_port()
+    def sim(self, role: str, *args: str, port: int | None = None) -> Process:
+        port = port or free_port()
         p = Process([sys.executable, "-m", "epd_flask.sim.cli", "--role", role,
                      "--port", str(port), *args], f"http://127.0.0.1:{port}",
                     log=self.log_dir / f"sim-{role}-{port}.log")
@@ -105,15 +105,22 @@ class Launcher:
         p.wait_up()
         return p
 
-    def gunicorn(self, roster: dict[str, Any], *args: str, workers: int = 1,
-                 env: dict[str, str] | None = None) -> Process:
-        port = free_port()
-        roster_file = self.log_dir / f"roster-{port}.yaml"
-        roster_file.write_text(yaml.safe_dump(roster))
+    def gunicorn(self, roster: dict[str, Any] | None, *args: str, workers: int = 1,
+                 env: dict[str, str] | None = None, roster_file: Path | None = None,
+                 port: int | None = None) -> Process:
+        """Start gunicorn over ``roster`` (written to a file), or over an existing
+        ``roster_file`` when ``roster`` is None. The master's state directory lives with the
+        logs, so a master that had to be killed leaves nothing behind."""
+        port = port or free_port()
+        if roster is not None:
+            roster_file = roster_file or self.log_dir / f"roster-{port}.yaml"
+            roster_file.write_text(yaml.safe_dump(roster))
+        assert roster_file is not None
         p = Process([sys.executable, "-m", "gunicorn", *args, "wsgi:app"],
                     f"http://127.0.0.1:{port}", log=self.log_dir / f"gunicorn-{port}.log",
                     env={"EPD_ROSTER": str(roster_file), "PORT": str(port),
-                         "EPD_WORKERS": str(workers), **(env or {})})
+                         "EPD_WORKERS": str(workers),
+                         "EPD_STATE_DIR": str(self.log_dir / f"state-{port}"), **(env or {})})
         self.started.append(p)
         p.wait_up()
         return p
