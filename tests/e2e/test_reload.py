@@ -251,9 +251,9 @@ def test_dead_decode_is_evicted_then_rejoins(procs, tmp_path) -> None:
         assert len(mine) <= threshold + 3, mine
     evicted_in = [t - killed for t, _, _ in evictions]
     rejoined_in = [t - restarted for t, _, _ in rejoins]
+    met = [sum(1 for _, q, _ in attempts if q == pid) for pid in {e[1] for e in evictions}]
     print(f"\n{len(results)} requests, {len(cut)} cut by the kill; requests that met the "
-          "dead decode per "
-          f"worker: {[sum(1 for _, q, _ in attempts if q == pid) for pid in {e[1] for e in evictions}]}"
+          f"dead decode per worker: {met}"
           f" (threshold {threshold}); kill -> evicted: "
           f"{', '.join(f'{t:.3f}' for t in evicted_in)} s (threshold x interval = "
           f"{threshold * interval:g} s); restart -> rejoined: "

@@ -1,0 +1,155 @@
+"""The admin API over real HTTP: keys, validation, persistence, and changes reaching every
+worker (two apps sharing one state directory stand in for two gunicorn workers)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+import yaml
+
+from epd_flask.roster import load
+from epd_flask.statedir import StateDir
+from tests.helpers import pd_roster
+
+KEY = "s3cret-admin"
+AUTH = {"X-API-Key": KEY}
+CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+@pytest.fixture
+def fleet(sim, proxy, tmp_path: Path) -> Any:
+    """A prefill, a decode in the roster file, and a decode not yet registered."""
+    p, d1, d2 = sim("prefill"), sim("decode"), sim("decode")
+    doc = pd_roster([p], [d1], probe_interval=60)
+    path = tmp_path / "roster.yaml"
+    path.write_text("# operators' notes\n" + yaml.safe_dump(doc))
+
+    def start(**config: Any) -> Any:
+        config.setdefault("admin_api_key", KEY)
+        return proxy(doc, roster_path=str(path), **config)
+
+    return p, d1, d2, path, start
+
+
+def post(px: Any, doc: Any, headers: dict[str, str] = AUTH) -> requests.Response:
+    return requests.post(px.url + "/instances", json=doc, headers=headers, timeout=5)
+
+
+def test_without_a_key_the_admin_api_is_disabled_and_says_so(fleet) -> None:
+    _, _, d2, path, start = fleet
+    px = start(admin_api_key=None)
+    for r in (requests.get(px.url + "/instances", headers=AUTH, timeout=5),
+              post(px, {"role": "decode", "url": d2.url})):
+        assert r.status_code == 403
+        assert r.json()["error"]["code"] == "admin_api_disabled"
+        assert "ADMIN_API_KEY" in r.json()["error"]["message"]
+    assert d2.url not in path.read_text()
+
+
+def test_keys_are_checked(fleet) -> None:
+    _, d1, _, _, start = fleet
+    px = start()
+    assert requests.get(px.url + "/instances", timeout=5).status_code == 403
+    wrong = requests.get(px.url + "/instances", headers={"X-API-Key": KEY + "x"}, timeout=5)
+    assert wrong.status_code == 403 and wrong.json()["error"]["code"] == "invalid_admin_key"
+    for headers in (AUTH, {"Authorization": f"Bearer {KEY}"}):
+        r = requests.get(px.url + "/instances", headers=headers, timeout=5)
+        assert r.status_code == 200
+        assert d1.url in [row["url"] for row in r.json()["data"]]
+
+
+def test_registration_applies_at_once_and_persists(fleet) -> None:
+    _, _, d2, path, start = fleet
+    px = start()
+    r = post(px, {"role": "decode", "url": d2.url + "/"})
+    assert r.status_code == 201 and r.json()["status"] == "registered"
+    assert r.json()["instance"] == {"role": "decode", "url": d2.url}
+    text = path.read_text()
+    assert text.startswith("# operators' notes") and d2.url in text
+    assert d2.url in [i.url for i in load(path).instances]
+    for _ in range(4):
+        assert requests.post(px.url + "/v1/chat/completions", json=CHAT, timeout=10).ok
+    assert d2.state.stats()["completions"] >= 1
+    gone = requests.delete(px.url + "/instances", params={"url": d2.url}, headers=AUTH,
+                           timeout=5)
+    assert gone.status_code == 200 and gone.json()["status"] == "removed"
+    before = d2.state.stats()["completions"]
+    for _ in range(4):
+        assert requests.post(px.url + "/v1/chat/completions", json=CHAT, timeout=10).ok
+    assert d2.state.stats()["completions"] == before
+    assert d2.url not in path.read_text()
+    missing = requests.delete(px.url + "/instances", params={"url": d2.url}, headers=AUTH,
+                              timeout=5)
+    assert missing.status_code == 404
+    assert requests.delete(px.url + "/instances", headers=AUTH, timeout=5).status_code == 400
+
+
+def test_conflicts_are_409_and_bad_fields_422(fleet) -> None:
+    _, d1, d2, path, start = fleet
+    px = start()
+    before = path.read_text()
+    role_change = post(px, {"role": "prefill", "url": d1.url})
+    assert role_change.status_code == 409
+    assert role_change.json()["error"]["code"] == "role_conflict"
+    assert "DELETE it first" in role_change.json()["error"]["message"]
+    mixed = post(px, {"role": "prefill_decode", "url": d2.url})
+    assert mixed.status_code == 409 and "mixed" in mixed.json()["error"]["message"]
+    for bad in ({"role": "decoder", "url": d2.url}, {"role": "decode", "url": "ftp://x"},
+                {"role": "decode", "url": d2.url, "dp_size": 0},
+                {"role": "decode", "url": d2.url, "colour": "red"}, ["decode"]):
+        r = post(px, bad)
+        assert r.status_code == 422, bad
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    not_json = requests.post(px.url + "/instances", data=b"{", headers=AUTH, timeout=5)
+    assert not_json.status_code == 400
+    assert path.read_text() == before
+
+
+def test_re_registering_never_resets_health(fleet) -> None:
+    _, d1, _, path, start = fleet
+    px = start()
+    registry = px.services.registry
+    for _ in range(3):
+        registry.record_failure(d1.url, "refused")
+    assert d1.url in registry.snapshot()["decode"]["evicted"]
+    before = path.stat().st_mtime_ns
+    r = post(px, {"role": "decode", "url": d1.url})
+    assert r.status_code == 200 and r.json()["status"] == "unchanged"
+    assert d1.url in registry.snapshot()["decode"]["evicted"]
+    assert path.stat().st_mtime_ns == before
+    r = post(px, {"role": "decode", "url": d1.url, "dp_size": 2})
+    assert r.status_code == 200 and r.json()["status"] == "updated"
+    assert d1.url in registry.snapshot()["decode"]["evicted"]  # same URL and role: kept
+
+
+def test_an_invalid_roster_file_is_not_overwritten(fleet) -> None:
+    _, _, d2, path, start = fleet
+    px = start()
+    path.write_text("instances: [{role: decode, url: 'http://h:1', typo: 1}]\n")
+    r = post(px, {"role": "decode", "url": d2.url})
+    assert r.status_code == 409 and r.json()["error"]["code"] == "roster_file_invalid"
+    assert "typo" in r.json()["error"]["message"] and "typo" in path.read_text()
+
+
+def test_a_change_in_one_worker_reaches_the_others(fleet, tmp_path: Path) -> None:
+    """Two apps over one state directory, as gunicorn's workers are: the one that did not
+    take the call follows the published roster, and a later worker inherits health."""
+    _, d1, d2, _, start = fleet
+    state = tmp_path / "state"
+    StateDir(state).ensure()
+    a, b = start(state_dir=str(state)), start(state_dir=str(state))
+    a.services.fleet.start()
+    b.services.fleet.start()
+    assert post(a, {"role": "decode", "url": d2.url}).status_code == 201
+    b.services.fleet.sync()  # what b's sync greenlet does every SYNC_INTERVAL
+    assert b.services.fleet.generation == a.services.fleet.generation
+    assert d2.url in [i.url for i in b.services.registry.instances("decode")]
+    for _ in range(4):
+        b.services.registry.record_failure(d1.url, "refused")
+    b.services.fleet.sync()  # writes b's health snapshot
+    c = start(state_dir=str(state))
+    c.services.fleet.start()
+    assert d1.url in c.services.registry.snapshot()["decode"]["evicted"]
