@@ -10,8 +10,10 @@ Imported by the master: light (no ssl, no gevent, no sockets).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import tempfile
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +34,9 @@ class Handoff:
 
 
 _handoff: Handoff | None = None
+_busy = False
+_pending = False
+_last_read: tuple[int, int, int] | None = None
 
 
 def handed_over() -> Handoff | None:
@@ -61,13 +66,67 @@ def start(server: Any) -> None:
                     _summary(roster), state.path)
 
 
-def refresh(server: Any) -> None:
-    """``on_reload`` (SIGHUP): adopt a valid roster, keep the last good one otherwise.
+def install_hup_handler(server: Any) -> None:
+    """``when_ready``: re-read the roster the moment SIGHUP arrives, ahead of gunicorn.
 
-    Never raises: an exception escaping a master hook would exit the master.
+    gunicorn queues signals and handles them one by one in its main loop, and its reload
+    waits there until the old workers have finished their streams (up to graceful_timeout,
+    minutes for long generations, and as long as an idle keep-alive connection from nginx
+    stays open). A second edit + SIGHUP in that window would wait too. This handler runs
+    when the signal arrives, validates and publishes the roster, so running workers follow
+    within SYNC_INTERVAL; gunicorn's queued reload still happens later and finds the work
+    done. It never raises: an exception would surface in whatever the master was doing.
     """
-    global _handoff
+    previous = signal.getsignal(signal.SIGHUP)
+    if getattr(previous, "epd_early_reload", False):
+        return
+    master_pid = os.getpid()
+
+    def on_hup(signum: int, frame: Any) -> None:
+        if os.getpid() == master_pid:
+            with contextlib.suppress(Exception):
+                refresh(server)
+        if callable(previous):
+            previous(signum, frame)
+
+    on_hup.epd_early_reload = True  # type: ignore[attr-defined]
+    signal.signal(signal.SIGHUP, on_hup)
+
+
+def on_reload(server: Any) -> None:
+    """gunicorn's ``on_reload``: the SIGHUP handler normally did the work already; re-read
+    only a file that changed since (or when the handler is not installed)."""
+    if _last_read is not None and _file_signature(roster_path()) == _last_read:
+        return
+    refresh(server)
+
+
+def refresh(server: Any) -> None:
+    """Adopt a valid roster, keep the last good one otherwise; never raises (an exception
+    escaping a master hook would exit the master).
+
+    Re-entrant calls (a SIGHUP arriving while a refresh runs) are folded into one more pass
+    of the refresh that is running.
+    """
+    global _busy, _pending
+    if _busy:
+        _pending = True
+        return
+    _busy = True
+    try:
+        while True:
+            _pending = False
+            _refresh_once(server)
+            if not _pending:
+                break
+    finally:
+        _busy = False
+
+
+def _refresh_once(server: Any) -> None:
+    global _handoff, _last_read
     path = roster_path()
+    _last_read = _file_signature(path)
     try:
         roster = load(path)
     except RosterError as exc:
@@ -118,6 +177,14 @@ def boot_roster(path: str, state: StateDir | None) -> tuple[Roster, int]:
         generation, roster = max(candidates, key=lambda c: c[0])
         return roster, generation
     return load(path), 0
+
+
+def _file_signature(path: str) -> tuple[int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
 
 
 def _summary(roster: Roster) -> str:

@@ -92,10 +92,16 @@ def on_starting(server):
     _epd_reload.start(server)
 
 
+def when_ready(server):
+    # Re-read the roster as soon as SIGHUP arrives, even while gunicorn still waits for the
+    # old workers of an earlier reload to finish their streams.
+    _epd_reload.install_hup_handler(server)
+
+
 def on_reload(server):
     """SIGHUP: re-read the roster. A bad one is logged and the last good one stays; gunicorn
     then starts new workers from the good copy and lets the old ones finish their streams."""
-    _epd_reload.refresh(server)
+    _epd_reload.on_reload(server)
 
 
 def post_worker_init(worker):

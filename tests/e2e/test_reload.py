@@ -148,7 +148,7 @@ def test_reload_under_stream_load(procs, tmp_path) -> None:
             assert on.stats()["in_flight"] > 0, "no long stream landed on the instance"
         return started
 
-    time.sleep(1.0)
+    time.sleep(0.5)
     # 1: add d3.
     longs = long_streams(2)
     write_roster(roster_file, [pre, {"role": "decode", "url": d1.url},
@@ -165,7 +165,7 @@ def test_reload_under_stream_load(procs, tmp_path) -> None:
     hup2 = time.time()
     os.kill(master, signal.SIGHUP)
     gevent.joinall(longs, timeout=30)
-    time.sleep(1.0)
+    time.sleep(0.5)
     d1_after_settle = d1.stats()["streams_started"]
     # 3: a broken file.
     longs = long_streams(2)
@@ -177,7 +177,7 @@ def test_reload_under_stream_load(procs, tmp_path) -> None:
     seen_rejected = time.time()
     gevent.joinall(longs, timeout=30)
     mark = time.time()
-    time.sleep(1.5)
+    time.sleep(1.0)
     results = load.stop()
 
     failed = [r for r in results + long_results if not (r["ok"] and r["complete"])]
@@ -312,3 +312,46 @@ def test_admin_registration_reaches_every_worker_and_survives_restart(procs, tmp
     print(f"\nPOST /instances -> first request routed to it by the worker that took the "
           f"call: {first[took_it] - posted:.3f} s, by the other worker: "
           f"{first[other] - posted:.3f} s; still registered after a gunicorn restart")
+
+
+def test_an_edit_applies_while_an_earlier_reload_still_drains(procs, tmp_path) -> None:
+    """gunicorn's master waits in its reload until the old workers have finished their
+    streams (up to graceful_timeout) before it handles the next signal. A second edit +
+    SIGHUP must still reach the workers at once, not when the long stream ends."""
+    p = procs["sim"]("prefill")
+    d1, d2 = procs["sim"]("decode", *DECODE_ARGS), procs["sim"]("decode", *DECODE_ARGS)
+    roster_file = tmp_path / "roster.yaml"
+    pre, first = {"role": "prefill", "url": p.url}, {"role": "decode", "url": d1.url}
+    write_roster(roster_file, [pre, first], probe_interval=0.5)
+    gw = procs["gunicorn"](None, roster_file=roster_file, workers=2)
+    wait_for(lambda: requests.get(gw.url + "/ready", timeout=5).ok, what="ready")
+    long_done: list[float] = []
+
+    def long_stream() -> None:
+        with requests.Session() as s:
+            assert stream(s, gw.url, 300)["complete"]  # ~3 s
+        long_done.append(time.time())
+
+    g = gevent.spawn(long_stream)
+    wait_for(lambda: d1.stats()["in_flight"] > 0, what="the long stream")
+    os.kill(gw.proc.pid, signal.SIGHUP)  # reload 1: its old worker drains the long stream
+    time.sleep(0.5)
+    write_roster(roster_file, [pre, first, {"role": "decode", "url": d2.url}],
+                 probe_interval=0.5)
+    hup2 = time.time()
+    os.kill(gw.proc.pid, signal.SIGHUP)
+    with requests.Session() as s:
+        for _ in range(200):
+            assert stream(s, gw.url, 2)["complete"]
+            if completion_times(d2):
+                break
+    reached = completion_times(d2)
+    g.join(timeout=30)
+    assert reached and long_done
+    assert reached[0] < long_done[0]
+    # gunicorn handles the queued second SIGHUP once the drain is over; let it finish
+    # starting those workers before the fixture stops everything.
+    wait_for(lambda: len(log_lines(gw, "Hang up")) == 2
+             and len(log_lines(gw, "inherited the health")) >= 4, what="the queued reload")
+    print(f"\nsecond SIGHUP -> first request on its new decode: {reached[0] - hup2:.3f} s; "
+          f"the long stream of the first reload ended {long_done[0] - hup2:.3f} s after it")
