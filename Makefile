@@ -11,6 +11,7 @@ PREFILL_PORT := 8100
 DECODE_PORT := 8200
 TOKEN_DELAY_MS ?= 30
 EPD_ROSTER ?= etc/roster.yaml
+EPD_PIDFILE ?= $(VENV)/gunicorn.pid
 PYTEST_ARGS ?=
 # The benchmark's peer (vllm-router) lives in its own virtualenv outside the source tree: it is
 # never a dependency of epd-flask.
@@ -23,7 +24,7 @@ CONF_DIR ?= /etc/epd-flask
 UNIT_DIR ?= /etc/systemd/system
 SERVICE_USER ?= epd-flask
 
-export EPD_ROSTER
+export EPD_ROSTER EPD_PIDFILE
 
 .PHONY: run test lint bench reload check-roster install-service service-unit clean
 
@@ -65,9 +66,13 @@ bench: $(STAMP) $(BENCH_VENV)/.installed
 check-roster: $(STAMP)
 	$(BIN)/epd-flask-check-roster $(EPD_ROSTER)
 
-## reload: validate the roster, then ask the running master to re-read it
+## reload: validate the roster, then ask the running master to re-read it (a roster that
+## fails validation never reaches the master; if one does, the master logs it and keeps serving)
 reload: check-roster
-	pkill -HUP -f 'gunicorn.*wsgi:app' -o
+	@if [ -s "$(EPD_PIDFILE)" ]; then kill -HUP "$$(cat $(EPD_PIDFILE))" && \
+	    echo "SIGHUP sent to gunicorn master $$(cat $(EPD_PIDFILE))"; \
+	else echo "no $(EPD_PIDFILE): is the proxy running (make run, or EPD_PIDFILE=...)?" >&2; \
+	    exit 1; fi
 
 ## install-service: as root, install under $(PREFIX) (own virtualenv), roster in $(CONF_DIR),
 ## a systemd unit running as $(SERVICE_USER). Re-running upgrades; an existing roster is kept.
