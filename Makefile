@@ -24,7 +24,7 @@ CONF_DIR ?= /etc/epd-flask
 UNIT_DIR ?= /etc/systemd/system
 SERVICE_USER ?= epd-flask
 
-export EPD_ROSTER EPD_PIDFILE
+export EPD_ROSTER
 
 .PHONY: run test lint bench reload check-roster install-service service-unit clean
 
@@ -44,7 +44,7 @@ run: $(STAMP)
 	echo "  curl -N http://127.0.0.1:$(PORT)/v1/chat/completions -H 'Content-Type: application/json' \\"; \
 	echo "    -d '{\"model\": \"tiny-llama\", \"stream\": true, \"max_tokens\": 16, \"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}]}'"; \
 	echo; \
-	PORT=$(PORT) $(BIN)/gunicorn -c etc/gunicorn.conf.py wsgi:app
+	PORT=$(PORT) EPD_PIDFILE=$(EPD_PIDFILE) $(BIN)/gunicorn -c etc/gunicorn.conf.py wsgi:app
 
 ## test: the whole suite, with gevent patching everything before pytest imports anything
 test: $(STAMP)

@@ -45,7 +45,8 @@ class Prober:
 
     def probe_now(self, urls: list[str]) -> None:
         """Probe these instances at once, outside the rhythm of the rounds: an instance added
-        to a running worker is routed to only after it answered (or when nothing else is)."""
+        to a running worker counts for readiness, or is evicted if it is down, without
+        waiting for the next round."""
         for url in urls:
             state = self.registry.get(url)
             if state is not None:

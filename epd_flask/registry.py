@@ -83,11 +83,7 @@ class Registry:
         return [s.instance for s in states if role is None or s.instance.role == role]
 
     def live(self, role: str) -> list[Instance]:
-        """Instances to route to: the confirmed live ones, or while a role has none (a worker's
-        first milliseconds, or a role whose instances were all just added), the optimistic."""
-        up = [s for s in self._states.values() if s.live and s.instance.role == role]
-        confirmed = [s.instance for s in up if s.confirmed]
-        return confirmed or [s.instance for s in up]
+        return [s.instance for s in self._states.values() if s.live and s.instance.role == role]
 
     def confirmed(self, role: str) -> list[Instance]:
         """Live instances known to answer: what readiness counts."""

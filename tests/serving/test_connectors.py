@@ -67,6 +67,7 @@ def test_mooncake_readiness_is_503_until_every_prefill_is_discovered(sim, proxy)
     p1, p2 = sim("prefill", bootstrap_port=0), sim("prefill", bootstrap_port=0)
     d = sim("decode")
     px = proxy(mooncake_roster([p1, p2], [d]))  # services not started: nothing discovered
+    px.services.prober.probe_all()  # every instance answered; the bootstraps are unknown
     r = requests.get(px.url + "/ready", timeout=5)
     assert r.status_code == 503 and "Mooncake bootstrap" in r.json()["reason"]
     early = requests.post(px.url + "/v1/chat/completions", json=CHAT, timeout=5)

@@ -48,8 +48,6 @@ def test_exclude_prefers_other_instances_but_falls_back() -> None:
 def test_eviction_after_threshold_and_rejoin_on_first_success() -> None:
     registry = Registry(decodes(1, 2), fail_threshold=2)
     url = "http://127.0.0.1:1"
-    for inst in decodes(1, 2):
-        registry.record_success(inst.url)
     registry.record_failure(url, "refused")
     assert len(registry.live("decode")) == 2
     registry.record_failure(url, "refused")
