@@ -134,8 +134,10 @@ class Fleet:
         if adopted:
             logger.info("inherited the health of %d instances from earlier workers",
                         len(adopted))
-        self._seen = self.state.signature()
-        self._write_health()
+        # Not the current signature: the roster this worker booted with was read earlier (in
+        # create_app), and a publication since then must not be mistaken for it.
+        self._seen = None
+        self.sync()
         self.state.prune_health(os.getpid())
         if self._greenlet is None or self._greenlet.dead:
             self._greenlet = gevent.spawn(self._run)

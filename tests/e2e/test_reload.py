@@ -24,7 +24,7 @@ CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "tell me
         "temperature": 0, "stream": True}
 DECODE_ARGS = ("--token-delay-ms", "10", "--output-tokens", "400", "--record-limit", "5000")
 SHORT_TOKENS = 20  # ~0.2 s per stream
-LONG_TOKENS = 250  # ~2.5 s: straddles a reload
+LONG_TOKENS = 150  # ~1.5 s: straddles a reload
 KEY = "e2e-admin-key"
 # Ours: "2026-01-01 10:00:00,123 [pid] ..."; gunicorn's: "[2026-01-01 10:00:00 +0000] [pid] ..."
 LOG_TIME = re.compile(r"^\[?(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)(?:,(\d{3})| [+-]\d{4}\])"

@@ -153,3 +153,17 @@ def test_a_change_in_one_worker_reaches_the_others(fleet, tmp_path: Path) -> Non
     c = start(state_dir=str(state))
     c.services.fleet.start()
     assert d1.url in c.services.registry.snapshot()["decode"]["evicted"]
+
+
+def test_a_worker_follows_a_roster_published_while_it_booted(fleet, tmp_path: Path) -> None:
+    """The roster a worker boots with is read before its services start; a publication in
+    between must still be adopted (it once went unnoticed, leaving the worker on the old
+    roster until the next reload)."""
+    _, _, d2, _, start = fleet
+    state = tmp_path / "state"
+    StateDir(state).ensure()
+    a, b = start(state_dir=str(state)), start(state_dir=str(state))  # b booted, not started
+    a.services.fleet.start()
+    assert post(a, {"role": "decode", "url": d2.url}).status_code == 201
+    b.services.fleet.start()
+    assert d2.url in [i.url for i in b.services.registry.instances("decode")]
