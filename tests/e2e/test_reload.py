@@ -228,8 +228,8 @@ def test_dead_decode_is_evicted_then_rejoins(procs, tmp_path) -> None:
     offset = len(log_lines(gw, "attempt 1 failed", d1.url))
     time.sleep(1.0)
     routed_after = log_lines(gw, "attempt 1 failed", d1.url)[offset:]
-    restarted = time.time()
     d1b = procs["sim"]("decode", *DECODE_ARGS, port=port)
+    restarted = time.time()  # answering /health from now on
     rejoins = wait_for(lambda: (lines := log_lines(gw, "rejoined", d1.url)) and
                        len({pid for _, pid, _ in lines}) == 2 and lines,
                        what="rejoin in both workers")
