@@ -1,8 +1,9 @@
 """The admin API (R6): ``GET``/``POST /instances`` and ``DELETE /instances?url=``.
 
-Thin views: check ``ADMIN_API_KEY``, parse, hand the change to this worker's ``Fleet``,
-which persists it to the roster file and makes every worker follow. Without a key the API is
-disabled, and says so.
+Thin views: check ``ADMIN_API_KEY``, parse, apply the SSRF policy for instance URLs, hand
+the change to this worker's ``Fleet``, which persists it to the roster file and makes every
+worker follow. Without a key the API is disabled, and says so. Mounted under
+``EPD_ADMIN_PREFIX`` when one is set.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from epd_flask.errors import (
 )
 from epd_flask.roster import RoleConflict, RosterError, normalize_url, parse_instance
 from epd_flask.rosterfile import RosterFileError, RosterWriteError
+from epd_flask.urlpolicy import URLPolicyError, check_instance_url
 
 bp = Blueprint("admin", __name__)
 
@@ -31,10 +33,14 @@ KEY_HEADER = "X-API-Key"
 BEARER = "bearer "
 
 
-def _fleet() -> Any:
+def _services() -> Any:
     svc = current_app.extensions["epd_flask"]
     _authorize(svc.config.admin_api_key)
-    return svc.fleet
+    return svc
+
+
+def _fleet() -> Any:
+    return _services().fleet
 
 
 def _authorize(key: str | None) -> None:
@@ -63,7 +69,8 @@ def list_instances() -> Response:
 
 @bp.post("/instances")
 def register() -> Response:
-    fleet = _fleet()
+    svc = _services()
+    fleet = svc.fleet
     try:
         doc = json.loads(request.get_data(cache=False).decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
@@ -73,6 +80,13 @@ def register() -> Response:
         inst = parse_instance(doc, "instance")
     except RosterError as exc:
         raise Unprocessable(str(exc)) from None
+    for field, url in (("url", inst.url), ("bootstrap_url", inst.bootstrap_url)):
+        if url is not None:  # both are requests the proxy will make: SSRF policy first
+            try:
+                check_instance_url(url, svc.url_policy)
+            except URLPolicyError as exc:
+                raise Unprocessable(f"{field}: {exc}", code="instance_url_not_allowed",
+                                    param=field) from None
     change = _change(fleet.register, inst)
     body = {"status": change.status, "generation": fleet.generation, "worker": os.getpid(),
             "instance": inst.record()}

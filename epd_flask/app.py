@@ -123,7 +123,7 @@ def create_app(config: ProxyConfig | None = None, roster: Roster | None = None) 
     from epd_flask.ops import bp as ops_bp
 
     app.register_blueprint(ops_bp)
-    app.register_blueprint(admin_bp)
+    app.register_blueprint(admin_bp, url_prefix=config.admin_prefix or None)
     app.register_blueprint(bp)
     app.register_error_handler(ProxyError, error_response)
     app.register_error_handler(HTTPException, http_error_response)

@@ -14,6 +14,7 @@ import os
 
 # Standard library only (the master must not load ssl); see its docstring.
 from epd_flask import metricsdir
+
 # Roster schema, validation and the state directory (pydantic, PyYAML, json; no ssl, no
 # gevent): the master validates the roster itself.
 from epd_flask import reload as _epd_reload

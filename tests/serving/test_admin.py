@@ -167,3 +167,28 @@ def test_a_worker_follows_a_roster_published_while_it_booted(fleet, tmp_path: Pa
     assert post(a, {"role": "decode", "url": d2.url}).status_code == 201
     b.services.fleet.start()
     assert d2.url in [i.url for i in b.services.registry.instances("decode")]
+
+
+def test_instance_urls_pass_the_ssrf_policy(fleet) -> None:
+    _, _, d2, path, start = fleet
+    px = start(instance_networks=("10.0.0.0/8",))
+    before = path.read_text()
+    for doc in ({"role": "decode", "url": d2.url},  # 127.0.0.1 is outside 10/8
+                {"role": "decode", "url": "http://169.254.169.254:80"}):
+        r = post(px, doc)
+        assert r.status_code == 422, doc
+        assert r.json()["error"]["code"] == "instance_url_not_allowed"
+    open_px = start()
+    r = post(open_px, {"role": "decode", "url": "http://169.254.169.254"})  # metadata service
+    assert r.status_code == 422 and "link-local" in r.json()["error"]["message"]
+    assert path.read_text() == before
+
+
+def test_the_admin_api_can_live_under_a_prefix(fleet) -> None:
+    _, d1, _, _, start = fleet
+    px = start(admin_prefix="/_admin")
+    r = requests.get(px.url + "/_admin/instances", headers=AUTH, timeout=5)
+    assert r.status_code == 200 and d1.url in [row["url"] for row in r.json()["data"]]
+    bare = requests.delete(px.url + "/instances", params={"url": d1.url}, headers=AUTH,
+                           timeout=5)
+    assert bare.status_code == 405  # not the admin API any more
