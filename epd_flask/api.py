@@ -8,7 +8,7 @@ from typing import Any
 from flask import Blueprint, Response, current_app, request
 from werkzeug.exceptions import HTTPException
 
-from epd_flask import cooperate, edge, jsoncodec
+from epd_flask import cooperate, edge, jsoncodec, validation
 from epd_flask.config import DEFAULT_MAX_JSON_DEPTH
 from epd_flask.context import RequestContext
 from epd_flask.errors import ClientError, ProxyError
@@ -119,6 +119,7 @@ def completions() -> Response:
         ctx.bytes_in = len(raw)
         body = parse_object(raw, _services().config.max_json_depth)
         cooperate.after_step(len(raw))
+        validation.check_completion(request.path, body)
         reply = _services().pipeline.completion(request.path, body, ctx)
     except ProxyError as err:
         raise _fail(err, ctx) from None

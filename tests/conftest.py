@@ -25,6 +25,7 @@ from epd_flask.app import create_app, services
 from epd_flask.config import ProxyConfig
 from epd_flask.roster import parse
 from epd_flask.sim import SimConfig, SimServer
+from tests.helpers import NoDelayHandler
 
 
 class Proxy:
@@ -62,7 +63,7 @@ def proxy() -> Iterator[Callable[..., Proxy]]:
 
     def start(doc: dict[str, Any], probes: bool = False, **config: Any) -> Proxy:
         app = create_app(ProxyConfig(**config), parse(doc, "test roster"))
-        server = WSGIServer(("127.0.0.1", 0), app, log=None)
+        server = WSGIServer(("127.0.0.1", 0), app, log=None, handler_class=NoDelayHandler)
         server.start()
         if probes:
             services(app).start()

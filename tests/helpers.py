@@ -7,11 +7,22 @@ import socket
 from typing import Any
 from urllib.parse import urlsplit
 
+from gevent.pywsgi import WSGIHandler
+
 
 def pd_roster(prefills: list[Any], decodes: list[Any], **settings: Any) -> dict[str, Any]:
     instances = [{"role": "prefill", "url": p.url} for p in prefills]
     instances += [{"role": "decode", "url": d.url} for d in decodes]
     return {"settings": settings, "instances": instances}
+
+
+class NoDelayHandler(WSGIHandler):
+    """pywsgi without Nagle, like gunicorn (its listener sets TCP_NODELAY): otherwise every
+    small response waits ~40 ms for the client's delayed ACK."""
+
+    def handle(self) -> None:
+        self.socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        super().handle()
 
 
 def free_port() -> int:
