@@ -136,7 +136,8 @@ def health() -> Response:
     ready, reason = svc.pipeline.ready()
     doc = {"status": "ok", "ready": ready, "reason": reason,
            "connector": svc.roster.settings.connector, "instances": svc.registry.snapshot(),
-           "counters": dict(svc.pipeline.counters)}
+           "counters": dict(svc.pipeline.counters),
+           "load": svc.inflight.snapshot()}
     if svc.discovery is not None:
         doc["bootstrap"] = svc.discovery.snapshot()
     return Response(json.dumps(doc), status=200, content_type="application/json")
@@ -145,7 +146,10 @@ def health() -> Response:
 @bp.get("/ready")
 @bp.get("/readyz")
 def ready() -> Response:
-    ok, reason = _services().pipeline.ready()
+    svc = _services()
+    ok, reason = svc.pipeline.ready()
+    if svc.inflight.draining:
+        ok, reason = False, "shutting down"
     doc = {"ready": ok, "reason": reason}
     return Response(json.dumps(doc), status=200 if ok else 503, content_type="application/json")
 

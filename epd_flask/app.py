@@ -21,12 +21,14 @@ from epd_flask.edge import KeyRing
 from epd_flask.errors import ClientError, ProxyError
 from epd_flask.fleet import Fleet
 from epd_flask.headers import REQUEST_ID_HEADER
+from epd_flask.inflight import InFlight, InFlightMiddleware
 from epd_flask.pipeline import Pipeline
 from epd_flask.prober import Prober
 from epd_flask.registry import Registry
 from epd_flask.reload import boot_roster
 from epd_flask.roster import Roster
 from epd_flask.routing import Router
+from epd_flask.shutdown import Drain
 from epd_flask.statedir import StateDir
 from epd_flask.tls import TLSFiles
 from epd_flask.transport import Transport
@@ -46,6 +48,8 @@ class Services:
     pipeline: Pipeline
     prober: Prober
     fleet: Fleet
+    inflight: InFlight
+    drain: Drain
     discovery: BootstrapDiscovery | None = None
     keys: KeyRing = field(default_factory=lambda: KeyRing(()))
     url_policy: URLPolicy = field(default_factory=URLPolicy)
@@ -65,6 +69,7 @@ class Services:
         self.history.start()
 
     def stop(self) -> None:
+        self.drain.stop()
         self.prober.stop()
         if self.discovery is not None:
             self.discovery.stop()
@@ -97,7 +102,9 @@ def build_services(config: ProxyConfig, roster: Roster, generation: int = 0) -> 
     state = StateDir(config.state_dir) if config.state_dir else None
     fleet = Fleet(roster, generation, registry, pipeline, config.roster_path, state,
                   prober.probe_now)
-    return Services(config, registry, router, transport, pipeline, prober, fleet, discovery,
+    inflight = InFlight(config.max_in_flight)
+    return Services(config, registry, router, transport, pipeline, prober, fleet,
+                    inflight, Drain(inflight), discovery,
                     keys=KeyRing(config.api_keys),
                     url_policy=URLPolicy.build(config.instance_schemes,
                                                config.instance_networks),
@@ -116,7 +123,8 @@ def create_app(config: ProxyConfig | None = None, roster: Roster | None = None) 
     app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
     context.configure(config.log_format, config.log_upstream)
     metrics.install()
-    app.extensions[EXTENSION] = build_services(config, roster, generation)
+    svc = app.extensions[EXTENSION] = build_services(config, roster, generation)
+    app.wsgi_app = InFlightMiddleware(app.wsgi_app, svc.inflight)  # type: ignore[method-assign]
 
     from epd_flask.admin import bp as admin_bp
     from epd_flask.api import bp
@@ -136,7 +144,8 @@ def services(app: Flask) -> Services:
 
 def error_response(err: ProxyError) -> Response:
     status, body, content_type = errors.render(err)
-    response = Response(body, status=status, content_type=content_type)
+    response = Response(body, status=status, content_type=content_type,
+                        headers=errors.extra_headers(err))
     if err.request_id:
         response.headers[REQUEST_ID_HEADER] = err.request_id
     if status == 401:

@@ -23,6 +23,10 @@ DEFAULT_MAX_JSON_DEPTH = 64
 DEFAULT_INSTANCE_SCHEMES = ("http", "https")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
+DEFAULT_WORKER_CONNECTIONS = 1000
+#: The default in-flight cap leaves this share of gunicorn's worker_connections free, so a
+#: worker at its cap still accepts connections to refuse quickly and to answer probes.
+IN_FLIGHT_SHARE = 0.9
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,7 @@ class ProxyConfig:
     roster_path: str = "etc/roster.yaml"
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     pool_maxsize: int = DEFAULT_POOL_MAXSIZE
+    max_in_flight: int = int(DEFAULT_WORKER_CONNECTIONS * IN_FLIGHT_SHARE)
     admin_api_key: str | None = None
     # Sent as "Authorization: Bearer <key>" to prefill and decode instead of the client's own
     # header. An environment variable, not a roster key: the roster is rewritten by the admin
@@ -74,6 +79,8 @@ class ProxyConfig:
             roster_path=roster_path(dict(env)),
             max_body_bytes=_int(env, "EPD_MAX_BODY_BYTES", DEFAULT_MAX_BODY_BYTES),
             pool_maxsize=_int(env, "EPD_POOL_MAXSIZE", DEFAULT_POOL_MAXSIZE),
+            max_in_flight=_int(env, "EPD_MAX_IN_FLIGHT", max(1, int(_int(
+                env, "EPD_WORKER_CONNECTIONS", DEFAULT_WORKER_CONNECTIONS) * IN_FLIGHT_SHARE))),
             admin_api_key=env.get("ADMIN_API_KEY") or None,
             backend_api_key=env.get("EPD_BACKEND_API_KEY") or None,
             upstream_idle_timeout=_float(env, "EPD_UPSTREAM_IDLE_TIMEOUT",

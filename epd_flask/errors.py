@@ -20,6 +20,8 @@ class ProxyError(Exception):
     code: str = "internal_error"
     retryable: bool = False
     request_id: str | None = None
+    #: Seconds a client should wait before trying again (sent as ``Retry-After``), if any.
+    retry_after: int | None = None
 
     def __init__(
         self,
@@ -119,6 +121,28 @@ class ClientDisconnected(ProxyError):
     code = "client_closed_request"
 
 
+class Overloaded(ProxyError):
+    """This worker already carries as many requests as it may; another worker or instance (or
+    this one a moment later) can take it. 503 rather than 429: nothing is wrong with the
+    client's rate, and load balancers (nginx ``proxy_next_upstream http_503``) and OpenAI's
+    clients both retry a 503 that carries ``Retry-After``."""
+
+    status = 503
+    type = "service_unavailable"
+    code = "overloaded"
+    retry_after = 1
+
+
+class ShuttingDown(ProxyError):
+    """The worker is stopping (SIGTERM, reload). Before the status line this is a 503; on a
+    stream that outlived the grace period it is the in-band error that ends it."""
+
+    status = 503
+    type = "service_unavailable"
+    code = "shutting_down"
+    retry_after = 1
+
+
 class BackendError(ProxyError):
     """An upstream instance failed in a way that is not the client's fault."""
 
@@ -183,6 +207,11 @@ def render(err: ProxyError) -> tuple[int, bytes, str]:
     if isinstance(err, BackendStatus) and _is_openai_error(err.body):
         return err.status, err.body, "application/json"
     return err.status, json.dumps(err.payload()).encode(), "application/json"
+
+
+def extra_headers(err: ProxyError) -> list[tuple[str, str]]:
+    """Headers an error response carries besides its body's content type."""
+    return [("Retry-After", str(err.retry_after))] if err.retry_after is not None else []
 
 
 def sse_event(err: ProxyError) -> bytes:

@@ -106,10 +106,14 @@ def on_reload(server):
 
 
 def post_worker_init(worker):
-    """Start each worker's background greenlets once gevent has patched it."""
+    """Start each worker's background greenlets once gevent has patched it, and its drain
+    watcher: when the worker is told to stop (SIGTERM, or an old worker of a reload), running
+    streams get until shortly before ``graceful_timeout`` and are then ended with an in-band
+    error event instead of being cut when the master's SIGKILL comes."""
     services = getattr(worker.wsgi, "extensions", {}).get("epd_flask")
     if services is not None:
         services.start()
+        services.drain.watch(lambda: worker.alive, worker.cfg.graceful_timeout)
 
 
 def child_exit(server, worker):

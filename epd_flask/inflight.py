@@ -1,0 +1,173 @@
+"""The requests one worker carries right now: the cap on how many (overload), the refusal past
+it, and the handles a shutdown needs to end the ones still running.
+
+A request counts from the moment the WSGI server hands it over until its body is closed, so a
+stream holds its slot for as long as it streams. Refusals are answered before the body is
+read: a worker past its cap spends microseconds per extra request, not the price of a JSON
+parse. Health, readiness and metrics routes are never refused, so probes keep telling the
+truth about a busy worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import gevent
+from werkzeug.wsgi import ClosingIterator
+
+from epd_flask import errors
+from epd_flask.errors import Overloaded, ProxyError, ShuttingDown
+from epd_flask.headers import REQUEST_ID_HEADER, request_id
+
+logger = logging.getLogger(__name__)
+
+#: Routes that answer about the worker itself: cheap, and needed most when it is busy.
+EXEMPT_PATHS = frozenset({"/health", "/healthz", "/ready", "/readyz", "/metrics"})
+#: Where gunicorn's workers put the client connection in the WSGI environ (``-k gevent``, and
+#: the pywsgi-based worker).
+SOCKET_KEYS = ("gunicorn.socket", "gunicorn.sock")
+
+StartResponse = Callable[..., Any]
+
+
+class InFlight:
+    """Per-worker counters and the greenlets serving admitted requests.
+
+    All callers run on one gevent hub and nothing here yields, so no lock is needed.
+    """
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError("the in-flight limit must be at least 1")
+        self.limit = limit
+        self.peak = 0
+        self.admitted = 0
+        self.rejected = 0
+        self.rejected_draining = 0
+        self.draining = False
+        self._active: dict[object, tuple[gevent.Greenlet, Any]] = {}
+        # Client connections seen, so a drain can end idle keep-alive ones (see begin_drain).
+        self._connections: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    @property
+    def count(self) -> int:
+        return len(self._active)
+
+    def refusal(self) -> ProxyError | None:
+        """Why a new request must be refused now (and count it), or None to admit it."""
+        if self.draining:
+            self.rejected_draining += 1
+            return ShuttingDown("this server is shutting down; retry the request")
+        if len(self._active) >= self.limit:
+            self.rejected += 1
+            return Overloaded(f"this server is at its limit of {self.limit} concurrent "
+                              "requests; retry shortly")
+        return None
+
+    def seen(self, connection: Any) -> None:
+        if connection is not None:
+            self._connections.add(connection)
+            if self.draining:
+                _end_reads(connection)  # a probe on a kept-alive connection: its last answer
+
+    def enter(self, connection: Any = None) -> object:
+        token = object()
+        self._active[token] = (gevent.getcurrent(), connection)
+        self.seen(connection)
+        self.admitted += 1
+        self.peak = max(self.peak, len(self._active))
+        return token
+
+    def leave(self, token: object) -> None:
+        _, connection = self._active.pop(token, (None, None))
+        if self.draining and connection is not None:
+            _end_reads(connection)
+
+    def begin_drain(self) -> None:
+        """Refuse new requests from now on, and let keep-alive connections end.
+
+        gunicorn decides whether a connection stays open when a request *starts*, so streams
+        admitted before the stop would leave their connections waiting for a next request
+        (up to ``keepalive`` seconds), and the worker could not exit before the master's
+        SIGKILL. Shutting the read side makes that wait end at once with EOF, after the
+        response was written: idle connections now, busy ones when their response ends.
+        """
+        self.draining = True
+        busy = {id(c) for _, c in self._active.values() if c is not None}
+        for connection in list(self._connections):
+            if id(connection) not in busy:
+                _end_reads(connection)
+
+    def greenlets(self) -> list[gevent.Greenlet]:
+        return [g for g, _ in self._active.values()]
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"in_flight": len(self._active), "limit": self.limit, "peak": self.peak,
+                "admitted": self.admitted, "rejected_overload": self.rejected,
+                "rejected_draining": self.rejected_draining, "draining": self.draining}
+
+
+class InFlightMiddleware:
+    """Wraps the Flask app: admit (and track until the body closes) or refuse at once."""
+
+    def __init__(self, app: Callable[..., Iterable[bytes]], inflight: InFlight) -> None:
+        self.app = app
+        self.inflight = inflight
+
+    def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Any:
+        if environ.get("PATH_INFO") in EXEMPT_PATHS:
+            self.inflight.seen(_connection(environ))
+            return self.app(environ, start_response)
+        refusal = self.inflight.refusal()
+        if refusal is not None:
+            return self._refuse(refusal, environ, start_response)
+        token = self.inflight.enter(_connection(environ))
+        try:
+            result = self.app(environ, start_response)
+        except BaseException:
+            self.inflight.leave(token)
+            raise
+        return ClosingIterator(result, lambda: self.inflight.leave(token))
+
+    def _refuse(self, err: ProxyError, environ: dict[str, Any],
+                start_response: StartResponse) -> list[bytes]:
+        status, body, content_type = errors.render(err)
+        rid = request_id(environ.get("HTTP_X_REQUEST_ID"))
+        headers = [("Content-Type", content_type), ("Content-Length", str(len(body))),
+                   (REQUEST_ID_HEADER, rid), *errors.extra_headers(err)]
+        if isinstance(err, ShuttingDown):
+            headers.append(("Connection", "close"))
+        logger.info("request_id=%s route=%s status=%d refused: %s", rid,
+                    environ.get("PATH_INFO"), status, err.code)
+        start_response(f"{status} {_REASONS.get(status, 'Error')}", headers)
+        return [body]
+
+
+_REASONS = {503: "Service Unavailable"}
+
+
+def _connection(environ: dict[str, Any]) -> Any:
+    for key in SOCKET_KEYS:
+        if key in environ:
+            return environ[key]
+    return None
+
+
+def _end_reads(connection: Any) -> None:
+    """The server's next read on ``connection`` sees EOF; writes still go out.
+
+    Done on a duplicate descriptor: gevent's own ``shutdown`` would wake the greenlet waiting
+    on the socket with EBADF ("closed in another greenlet"), which gunicorn logs as an error,
+    whereas the shared socket's EOF is a clean end of the connection.
+    """
+    try:
+        dup = socket.fromfd(connection.fileno(), connection.family, connection.type)
+    except (OSError, AttributeError, ValueError):
+        return  # already closed, or not a socket
+    with dup, contextlib.suppress(OSError):  # OSError: the peer already went away
+        dup.shutdown(socket.SHUT_RD)
