@@ -1,5 +1,6 @@
 """The requests one worker carries right now: the cap on how many (overload), the refusal past
-it, and the handles a shutdown needs to end the ones still running.
+it, and the handles a shutdown needs to end the ones still running and close idle
+connections.
 
 A request counts from the moment the WSGI server hands it over until its body is closed, so a
 stream holds its slot for as long as it streams. Refusals are answered before the body is
@@ -21,7 +22,7 @@ import gevent
 from werkzeug.wsgi import ClosingIterator
 
 from epd_flask import errors
-from epd_flask.errors import Overloaded, ProxyError, ShuttingDown
+from epd_flask.errors import Overloaded, ProxyError
 from epd_flask.headers import REQUEST_ID_HEADER, request_id
 
 logger = logging.getLogger(__name__)
@@ -48,7 +49,6 @@ class InFlight:
         self.peak = 0
         self.admitted = 0
         self.rejected = 0
-        self.rejected_draining = 0
         self.draining = False
         self._active: dict[object, tuple[gevent.Greenlet, Any]] = {}
         # Client connections seen, so a drain can end idle keep-alive ones (see begin_drain).
@@ -59,10 +59,13 @@ class InFlight:
         return len(self._active)
 
     def refusal(self) -> ProxyError | None:
-        """Why a new request must be refused now (and count it), or None to admit it."""
-        if self.draining:
-            self.rejected_draining += 1
-            return ShuttingDown("this server is shutting down; retry the request")
+        """Why a new request must be refused now (and count it), or None to admit it.
+
+        A draining worker still serves what arrives on connections it already has: gunicorn
+        stopped accepting new ones and closes each after its answer, and a refusal here would
+        reach clients behind a proxy (nginx) that reuses its kept-alive connections, where
+        serving it costs nothing but the same bounded wait as the requests already running.
+        """
         if len(self._active) >= self.limit:
             self.rejected += 1
             return Overloaded(f"this server is at its limit of {self.limit} concurrent "
@@ -109,7 +112,7 @@ class InFlight:
     def snapshot(self) -> dict[str, Any]:
         return {"in_flight": len(self._active), "limit": self.limit, "peak": self.peak,
                 "admitted": self.admitted, "rejected_overload": self.rejected,
-                "rejected_draining": self.rejected_draining, "draining": self.draining}
+                "draining": self.draining}
 
 
 class InFlightMiddleware:
@@ -140,8 +143,6 @@ class InFlightMiddleware:
         rid = request_id(environ.get("HTTP_X_REQUEST_ID"))
         headers = [("Content-Type", content_type), ("Content-Length", str(len(body))),
                    (REQUEST_ID_HEADER, rid), *errors.extra_headers(err)]
-        if isinstance(err, ShuttingDown):
-            headers.append(("Connection", "close"))
         logger.info("request_id=%s route=%s status=%d refused: %s", rid,
                     environ.get("PATH_INFO"), status, err.code)
         start_response(f"{status} {_REASONS.get(status, 'Error')}", headers)

@@ -95,12 +95,12 @@ def test_drain_lets_short_streams_finish_and_ends_long_ones_in_band(sim, proxy) 
     short.first_event()
     drain = gevent.spawn(px.services.drain.run, 1.0)
     gevent.sleep(0.05)
-    # Draining: new work is refused with Connection: close, and readiness says so.
-    refused = requests.post(px.url + "/v1/chat/completions", json={**CHAT, "max_tokens": 2},
-                            timeout=5)
-    assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
-    assert refused.headers["Connection"].lower() == "close" and refused.headers["Retry-After"]
+    # Draining: readiness says so (load balancers stop sending), and a request that still
+    # arrives on an open connection is served rather than refused.
     assert requests.get(px.url + "/ready", timeout=5).status_code == 503
+    late = requests.post(px.url + "/v1/chat/completions", json={**CHAT, "max_tokens": 2},
+                         timeout=5)
+    assert late.status_code == 200
     short_events = events_of(read_to_end(short))
     long_events = events_of(read_to_end(long))
     assert drain.get(timeout=10) == 1
