@@ -1,8 +1,9 @@
 """The encode stage of one request (E+PD, E+P+D): its media to the encoders, then the body the
 next stage gets instead (M1-M7), and the replica that stage must run on (R4).
 
-Plans and rewrites with ``multimodal``, calls encoders through ``fanout``. An encoder failure
-fails the request before any prefill or decode call (M4) and is not retried elsewhere.
+Plans and rewrites with ``multimodal``, calls encoders through ``fanout``. A failed encoder call
+goes once to another encoder (unreachable, 5xx, cut mid-answer); a failure that remains fails
+the request before any prefill or decode call (M4), and the request is not retried as a whole.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ class EncodeStage:
         ctx.instances["encode"] = ",".join(dict.fromkeys(c.target.url for c in calls))
         try:
             answers = self.fanout.run(calls, concurrency=settings.encoder_concurrency,
-                                      timeout=settings.encoder_timeout, ctx=ctx)
+                                      timeout=settings.encoder_timeout, ctx=ctx,
+                                      alternate=self._other_encoder)
         except BackendStatus as err:
             err.retryable = False  # M4: the encoder's own status reaches the client
             raise
@@ -95,6 +97,12 @@ class EncodeStage:
         logger.debug("request %s: %d media item(s), %d encoder call(s), %d reported",
                      ctx.request_id, len(items), len(calls), len(encoded))
         return Staged(out, headers)
+
+    def _other_encoder(self, failed: Instance) -> Instance | None:
+        """A live encoder other than ``failed`` for its call's one retry, if there is one."""
+        if not any(i.url != failed.url for i in self.registry.live("encode")):
+            return None
+        return self.router.pick("encode", exclude=frozenset({failed.url}))
 
     def _pin_replica(self, consumer: Instance) -> tuple[str | None, dict[str, str]]:
         """With push consumers (R4), one replica is named to both the encoders (its address)

@@ -49,6 +49,15 @@ class Observer:
     def reload(self, ok: bool) -> None:
         """A roster reload was applied (``ok``) or refused (not ``ok``)."""
 
+    def load(self, in_flight: int, limit: int) -> None:
+        """This worker's client requests in flight changed (``limit``: its cap)."""
+
+    def refused(self, reason: str) -> None:
+        """A client request was refused before it started (``overloaded``)."""
+
+    def ended_by_shutdown(self, count: int) -> None:
+        """A stopping worker ended ``count`` requests that outlived its grace period."""
+
 
 class Bus(Observer):
     """Hands every hook to each subscriber; an observer that raises never breaks a request."""
@@ -99,6 +108,15 @@ class Bus(Observer):
 
     def reload(self, ok: bool) -> None:
         self._emit("reload", ok)
+
+    def load(self, in_flight: int, limit: int) -> None:
+        self._emit("load", in_flight, limit)
+
+    def refused(self, reason: str) -> None:
+        self._emit("refused", reason)
+
+    def ended_by_shutdown(self, count: int) -> None:
+        self._emit("ended_by_shutdown", count)
 
 
 bus = Bus()

@@ -1,14 +1,17 @@
 """Concurrent encoder calls for one request, on a bounded gevent pool (M4).
 
-Every call starts at once (up to the bound), the first failure ends the fan-out and cancels
-the calls still running, and one deadline covers the whole stage so a slow encoder cannot hold
-a worker forever. The calls themselves go through the transport like every other upstream leg.
+Every call starts at once (up to the bound); a call whose encoder is unreachable, answers 5xx
+or dies mid-answer goes once to another live encoder; the first failure that stays ends the
+fan-out and cancels the calls still running; one deadline covers the whole stage so a stalled
+encoder cannot hold a worker forever. The calls themselves go through the transport like every
+other upstream leg.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +19,13 @@ import gevent
 from gevent.pool import Pool
 
 from epd_flask.context import RequestContext
-from epd_flask.errors import BackendTimeout, BackendUnavailable, ProxyError
+from epd_flask.errors import (
+    BackendStatus,
+    BackendTimeout,
+    BackendUnavailable,
+    ProxyError,
+    StreamInterrupted,
+)
 from epd_flask.registry import Registry
 from epd_flask.roster import Instance
 from epd_flask.transport import Transport, encode_json
@@ -28,6 +37,9 @@ ENCODE_PATH = "/v1/chat/completions"
 #: How long cancelled calls get to close their connections before the error is raised.
 CANCEL_GRACE_SECONDS = 1.0
 
+#: Given the encoder that failed a call, another live one to send it to (None: there is none).
+Alternate = Callable[[Instance], "Instance | None"]
+
 
 @dataclass(frozen=True)
 class EncoderCall:
@@ -37,16 +49,26 @@ class EncoderCall:
 
 
 class Fanout:
-    def __init__(self, transport: Transport, registry: Registry) -> None:
+    def __init__(self, transport: Transport, registry: Registry,
+                 counters: Counter[str] | None = None) -> None:
         self.transport = transport
         self.registry = registry
+        self.counters: Counter[str] = Counter() if counters is None else counters
 
-    def run(self, calls: Sequence[EncoderCall], *, concurrency: int,
-            timeout: float, ctx: RequestContext | None = None) -> list[bytes]:
+    def run(self, calls: Sequence[EncoderCall], *, concurrency: int, timeout: float,
+            ctx: RequestContext | None = None,
+            alternate: Alternate | None = None) -> list[bytes]:
         """The answer bodies, in call order; the first failure is raised as it happens.
-        With ``ctx``, each call is one of the request's upstream legs (in-flight, errors)."""
+        With ``ctx``, each call is one of the request's upstream legs (in-flight, errors).
+
+        ``alternate(failed)`` names another encoder for a call whose encoder failed without
+        leaving work worth waiting for (unreachable, 5xx, cut mid-answer); the call is sent
+        there once. A stall is not retried: it used up the stage's time.
+        """
         pool = Pool(concurrency)
-        greenlets = [pool.spawn(self._call, call, timeout, ctx) for call in calls]
+        targets = [call.target for call in calls]
+        greenlets = [pool.spawn(self._call, i, call, timeout, ctx, targets, alternate)
+                     for i, call in enumerate(calls)]
         deadline = gevent.Timeout(timeout)
         deadline.start()
         try:
@@ -57,24 +79,46 @@ class Fanout:
         except gevent.Timeout as exc:
             if exc is not deadline:
                 raise
-            raise BackendTimeout(f"encoders did not all answer within {timeout:g} s",
-                                 stage=ENCODE_STAGE) from None
+            stalled = sorted({targets[i].url for i, g in enumerate(greenlets) if not g.ready()})
+            raise BackendTimeout(
+                f"encoder {', '.join(stalled)} sent no answer within {timeout:g} s "
+                "(encoder_timeout); the request was abandoned",
+                stage=ENCODE_STAGE, instance=",".join(stalled) or None) from None
         finally:
             deadline.close()
             pool.kill(block=True, timeout=CANCEL_GRACE_SECONDS)
         return [g.value for g in greenlets]
 
-    def _call(self, call: EncoderCall, timeout: float,
+    def _call(self, index: int, call: EncoderCall, timeout: float, ctx: RequestContext | None,
+              targets: list[Instance], alternate: Alternate | None) -> bytes | ProxyError:
+        """One encoder request and, when allowed, its one retry on another encoder."""
+        outcome = self._send(call.target, call, timeout, ctx)
+        if not isinstance(outcome, ProxyError) or not _worth_another_encoder(outcome) \
+                or alternate is None:
+            return outcome
+        other = alternate(call.target)
+        if other is None or other.url == call.target.url:
+            return outcome
+        self.counters["retried_encode"] += 1
+        if ctx is not None:
+            ctx.retry(outcome)
+            ctx.failed.add(call.target.url)
+        logger.warning("request %s: encoder %s failed (%s); its item(s) go to encoder %s",
+                       ctx.request_id if ctx else "-", call.target.url, outcome, other.url)
+        targets[index] = other
+        return self._send(other, call, timeout, ctx)
+
+    def _send(self, target: Instance, call: EncoderCall, timeout: float,
               ctx: RequestContext | None) -> bytes | ProxyError:
-        """One encoder request; a failure is returned, not raised, so gevent does not print
-        it as an unhandled greenlet error."""
+        """A failure is returned, not raised, so gevent does not print it as an unhandled
+        greenlet error."""
         headers = dict(call.headers)
         headers["Content-Type"] = "application/json"
-        url = call.target.url
+        url = target.url
         status: int | None = None
         failure: ProxyError | None = None
         if ctx is not None:
-            ctx.leg_open(ENCODE_STAGE, call.target.role, url)
+            ctx.leg_open(ENCODE_STAGE, target.role, url)
         try:
             resp = self.transport.send("POST", url + ENCODE_PATH, stage=ENCODE_STAGE,
                                        headers=headers, body=encode_json(call.body),
@@ -92,3 +136,9 @@ class Fanout:
         finally:  # also when the fan-out is cancelled: the leg ends with the greenlet
             if ctx is not None:
                 ctx.leg_close(ENCODE_STAGE, url, status=status, error=failure)
+
+
+def _worth_another_encoder(err: ProxyError) -> bool:
+    if isinstance(err, (BackendUnavailable, StreamInterrupted)):
+        return True
+    return isinstance(err, BackendStatus) and err.status >= 500

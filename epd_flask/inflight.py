@@ -23,12 +23,13 @@ from werkzeug.wsgi import ClosingIterator
 
 from epd_flask import errors
 from epd_flask.errors import Overloaded, ProxyError
+from epd_flask.events import bus
 from epd_flask.headers import REQUEST_ID_HEADER, request_id
 
 logger = logging.getLogger(__name__)
 
 #: Routes that answer about the worker itself: cheap, and needed most when it is busy.
-EXEMPT_PATHS = frozenset({"/health", "/healthz", "/ready", "/readyz", "/metrics"})
+EXEMPT_PATHS = frozenset({"/health", "/healthz", "/ready", "/readyz", "/metrics", "/status"})
 #: Where gunicorn's workers put the client connection in the WSGI environ (``-k gevent``, and
 #: the pywsgi-based worker).
 SOCKET_KEYS = ("gunicorn.socket", "gunicorn.sock")
@@ -53,6 +54,7 @@ class InFlight:
         self._active: dict[object, tuple[gevent.Greenlet, Any]] = {}
         # Client connections seen, so a drain can end idle keep-alive ones (see begin_drain).
         self._connections: weakref.WeakSet[Any] = weakref.WeakSet()
+        bus.load(0, limit)
 
     @property
     def count(self) -> int:
@@ -68,6 +70,7 @@ class InFlight:
         """
         if len(self._active) >= self.limit:
             self.rejected += 1
+            bus.refused("overloaded")
             return Overloaded(f"this server is at its limit of {self.limit} concurrent "
                               "requests; retry shortly")
         return None
@@ -84,10 +87,12 @@ class InFlight:
         self.seen(connection)
         self.admitted += 1
         self.peak = max(self.peak, len(self._active))
+        bus.load(len(self._active), self.limit)
         return token
 
     def leave(self, token: object) -> None:
         _, connection = self._active.pop(token, (None, None))
+        bus.load(len(self._active), self.limit)
         if self.draining and connection is not None:
             _end_reads(connection)
 

@@ -96,6 +96,21 @@ PROBE_TIME = Gauge("epd_instance_last_probe_timestamp_seconds",
                    multiprocess_mode="livemostrecent", registry=_REGISTRY)
 
 
+CLIENT_IN_FLIGHT = Gauge(
+    "epd_requests_in_flight", "Client requests being served right now (streams included).",
+    multiprocess_mode="livesum", registry=_REGISTRY)
+IN_FLIGHT_LIMIT = Gauge(
+    "epd_requests_in_flight_limit", "The per-worker cap on client requests in flight "
+    "(EPD_MAX_IN_FLIGHT); past it requests get 503 overloaded.",
+    multiprocess_mode="livemax", registry=_REGISTRY)
+REFUSED = Counter("epd_requests_refused_total", "Client requests refused before they started, "
+                  "by reason (overloaded: the worker was at its in-flight cap).", ["reason"],
+                  registry=_REGISTRY)
+ENDED_BY_SHUTDOWN = Counter(
+    "epd_requests_ended_by_shutdown_total", "Requests a stopping worker ended (with an "
+    "in-band error, or a 503) because they outlived its grace period.", registry=_REGISTRY)
+
+
 def route_label(path: str) -> str:
     """A free-form path never becomes a label: anything but a completion route is one value."""
     return path if path in KNOWN_ROUTES else OTHER_ROUTE
@@ -172,6 +187,16 @@ class MetricsObserver(Observer):
 
     def reload(self, ok: bool) -> None:
         record_reload(ok)
+
+    def load(self, in_flight: int, limit: int) -> None:
+        CLIENT_IN_FLIGHT.set(in_flight)
+        IN_FLIGHT_LIMIT.set(limit)
+
+    def refused(self, reason: str) -> None:
+        REFUSED.labels(reason).inc()
+
+    def ended_by_shutdown(self, count: int) -> None:
+        ENDED_BY_SHUTDOWN.inc(count)
 
 
 OBSERVER = MetricsObserver()

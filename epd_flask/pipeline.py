@@ -61,9 +61,9 @@ class Pipeline:
         self.router = router
         self.transport = transport
         self.connector = connector
-        self.encode = EncodeStage(router, registry, Fanout(transport, registry))
         # Per-worker tallies of what went wrong beside the client's view (shown on /health).
         self.counters: Counter[str] = Counter()
+        self.encode = EncodeStage(router, registry, Fanout(transport, registry, self.counters))
 
     @property
     def decode_role(self) -> str:
@@ -91,9 +91,13 @@ class Pipeline:
             except ProxyError as err:
                 if not err.retryable or attempt + 1 >= attempts:
                     raise
+                # Failover (P4): nothing reached the client yet, and the failed instance is in
+                # ctx.failed, so routing prefers another live one of its role next time.
                 ctx.retry(err)
-                logger.warning("request %s: attempt %d failed (%s); retrying",
-                               ctx.request_id, attempt + 1, err)
+                self.counters[f"retried_{err.stage or 'unknown'}"] += 1
+                logger.warning("request %s: attempt %d of %d failed at %s on %s (%s); retrying "
+                               "on another instance", ctx.request_id, attempt + 1, attempts,
+                               err.stage, err.instance, err)
         raise AssertionError("unreachable")
 
     def passthrough(self, method: str, path: str, query: str, body: bytes | None,

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import gevent
 
 from epd_flask.errors import ShuttingDown
+from epd_flask.events import bus
 from epd_flask.inflight import InFlight
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,8 @@ class Drain:
             gevent.kill(greenlet, ShuttingDown(
                 "the server is shutting down and ended this request; retry it"))
         self.ended += len(running)
+        if running:
+            bus.ended_by_shutdown(len(running))
         if running:
             logger.warning("worker stopping: ended %d request(s) still running after %.1f s",
                            len(running), time.monotonic() - started)

@@ -57,13 +57,15 @@ class SimApp:
 
     # -- bookkeeping ------------------------------------------------------------------------
 
-    def _note(self, environ: dict[str, Any], path: str, body: Any, raw: bytes = b"") -> None:
-        """Count the request and keep it in the record (control and probe traffic aside)."""
+    def _note(self, environ: dict[str, Any], path: str, body: Any,
+              raw: bytes = b"") -> dict[str, Any] | None:
+        """Count the request and keep it in the record (control and probe traffic aside);
+        returns the record, so the answer's status can be added to it."""
         if path.startswith("/sim/"):
-            return
+            return None
         self.state.count_path(path)
         if path == "/health" and not self.state.config.record_health:
-            return
+            return None
         entry = {
             "time": time.time(),
             "method": environ["REQUEST_METHOD"],
@@ -75,6 +77,7 @@ class SimApp:
         if body is None and raw:
             entry["body_raw"] = raw[:RECORDED_RAW_BODY_CHARS].decode("utf-8", "replace")
         self.state.record(entry)
+        return entry
 
     # -- vLLM's endpoints -------------------------------------------------------------------
 
@@ -101,11 +104,15 @@ class SimApp:
             body = validate.parse_body(raw, environ.get("CONTENT_TYPE", ""))
         except errors.SimError as exc:
             parse_error = exc
-        self._note(environ, path, body, raw)
+        entry = self._note(environ, path, body, raw)
         state = self.state
         state.count("completions")
         state.enter()
         handed_off = False
+        if entry is not None:
+            # The status each completion was answered with ("status" in /sim/requests), set
+            # when the status line is decided: a stream's 200 is there while it still runs.
+            start_response = _recording_status(start_response, entry)
         try:
             result = self._complete(environ, start_response, path, body, parse_error)
             handed_off = isinstance(result, stream.StreamBody)
@@ -252,6 +259,13 @@ class SimApp:
     def sim(self, environ: dict[str, Any], start_response: StartResponse) -> WSGIResult:
         handler = CONTROL[environ["PATH_INFO"]]
         return handler(self.state, environ, start_response)
+
+
+def _recording_status(start_response: StartResponse, entry: dict[str, Any]) -> StartResponse:
+    def start(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
+        entry["status"] = int(status.split(" ", 1)[0])
+        return start_response(status, headers, exc_info)
+    return start
 
 
 CONTROL = {

@@ -126,29 +126,59 @@ def test_five_images_and_an_audio_fan_out_to_two_encoders_at_once(sim, proxy, ca
 
 
 @pytest.mark.parametrize("fault, status, code", [
-    ({"fail_next": 1, "fail_status": 500}, 500, 500),
     ({"fail_next": 1, "fail_status": 429}, 429, 429),
-    ("stopped", 502, "upstream_unavailable"),
     ({"hang_next": 1}, 502, "upstream_timeout"),
 ])
 def test_a_failing_encoder_fails_the_request_before_prefill_and_decode(
         sim, proxy, fault, status, code) -> None:
+    """The encoder's own 4xx reaches the client; a stalled encoder is abandoned at the stage's
+    deadline and reported as such. Neither goes to another encoder."""
     e0, e1 = sim("encode"), sim("encode", ttft=0.05)
     p, d = sim("prefill"), sim("decode")
     px = proxy(roster([e0, e1], [p], [d], encoder_timeout=0.5, decode_retries=2))
-    if fault == "stopped":
-        e0.stop()
-    else:
-        e0.state.inject(**fault)
+    e0.state.inject(**fault)
     r = post(px, chat(image(), image(), audio()))
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert error["code"] == code and error["message"]
     assert r.headers["X-Request-Id"]
+    if "hang_next" in fault:
+        assert e0.url in error["message"] and "encoder_timeout" in error["message"]
     for lm in (p, d):
         assert lm.state.stats()["completions"] == 0
     # not retried elsewhere: the one healthy encoder got its share once
     assert len(completions(e1)) == 1
+
+
+@pytest.mark.parametrize("fault", [{"fail_next": 1, "fail_status": 500}, "stopped"])
+def test_a_failed_encoder_call_goes_once_to_another_encoder(sim, proxy, fault) -> None:
+    e0, e1 = sim("encode"), sim("encode")
+    p, d = sim("prefill"), sim("decode")
+    px = proxy(roster([e0, e1], [p], [d], decode_retries=2))
+    if fault == "stopped":
+        e0.stop()
+    else:
+        e0.state.inject(**fault)
+    # Three items: the images go to e0 and e1 one each, the audio to e0 (round-robin, M3).
+    r = post(px, chat(image(), image(), audio()))
+    assert r.status_code == 200, r.text
+    failed_calls = 1 if fault != "stopped" else 2
+    assert px.services.pipeline.counters["retried_encode"] == failed_calls
+    assert len(completions(e1)) == 1 + failed_calls  # its own call and the retried one(s)
+    assert p.state.stats()["completions"] == 1 and d.state.stats()["completions"] == 1
+    assert p.state.stats()["ec_embeds_resolved"] == 3  # every item encoded, none locally
+
+
+def test_an_encoder_call_is_retried_once_only(sim, proxy) -> None:
+    e0, e1 = sim("encode"), sim("encode")
+    p, d = sim("prefill"), sim("decode")
+    px = proxy(roster([e0, e1], [p], [d], decode_retries=2))
+    for e in (e0, e1):
+        e.state.inject(fail_next=5, fail_status=503)
+    r = post(px, chat(image()))
+    assert r.status_code == 503, r.text
+    assert e0.state.stats()["failed_injected"] + e1.state.stats()["failed_injected"] == 2
+    assert p.state.stats()["completions"] == 0 and d.state.stats()["completions"] == 0
 
 
 def test_the_same_image_gets_the_same_key_in_every_request(sim, proxy) -> None:
