@@ -26,7 +26,7 @@ SERVICE_USER ?= epd-flask
 
 export EPD_ROSTER
 
-.PHONY: run test lint bench reload check-roster install-service service-unit clean
+.PHONY: run test chaos lint bench reload check-roster install-service service-unit clean
 
 $(STAMP): setup.cfg setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,10 @@ run: $(STAMP)
 ## test: the whole suite, with gevent patching everything before pytest imports anything
 test: $(STAMP)
 	$(BIN)/python -m gevent.monkey --module pytest $(PYTEST_ARGS)
+
+## chaos: kill, stall and break instances under a mixed load through real gunicorn (~40 s)
+chaos: $(STAMP)
+	$(BIN)/python -m gevent.monkey --module pytest -m chaos -s tests/chaos $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -71,6 +71,8 @@ class ProxyConfig:
     log_format: str = "logfmt"
     log_upstream: bool = False
     state_dir: str | None = None
+    # GET /debug/worker: this worker's greenlets, connections and memory (leak checks, chaos).
+    debug_endpoints: bool = False
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> ProxyConfig:
@@ -97,6 +99,7 @@ class ProxyConfig:
             log_format=_choice(env, "EPD_LOG_FORMAT", LOG_FORMATS, "logfmt"),
             log_upstream=_bool(env, "EPD_LOG_UPSTREAM", False),
             state_dir=env.get(STATE_DIR_ENV) or None,
+            debug_endpoints=_bool(env, "EPD_DEBUG_ENDPOINTS", False),
         )
 
 

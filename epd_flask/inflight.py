@@ -29,7 +29,8 @@ from epd_flask.headers import REQUEST_ID_HEADER, request_id
 logger = logging.getLogger(__name__)
 
 #: Routes that answer about the worker itself: cheap, and needed most when it is busy.
-EXEMPT_PATHS = frozenset({"/health", "/healthz", "/ready", "/readyz", "/metrics", "/status"})
+EXEMPT_PATHS = frozenset({"/health", "/healthz", "/ready", "/readyz", "/metrics", "/status",
+                          "/debug/worker"})
 #: Where gunicorn's workers put the client connection in the WSGI environ (``-k gevent``, and
 #: the pywsgi-based worker).
 SOCKET_KEYS = ("gunicorn.socket", "gunicorn.sock")

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 from flask import Blueprint, Response, current_app, request
 
-from epd_flask import metrics, profiling, statuspage
+from epd_flask import metrics, procstats, profiling, statuspage
+from epd_flask.errors import NotFound
 from epd_flask.events import FleetEntry
 from epd_flask.headers import REQUEST_ID_HEADER, request_id, upstream_headers
 
@@ -37,6 +39,23 @@ def status_page() -> Response:
     page = statuspage.build(now, svc.history.baseline(now), fleet, "yes" if ok else reason)
     return Response(statuspage.render(page), status=200, content_type="text/html; charset=utf-8",
                     headers={"Cache-Control": "no-store"})
+
+
+@bp.get("/debug/worker")
+def debug_worker() -> Response:
+    """What this worker holds (EPD_DEBUG_ENDPOINTS=1 only): for leak checks after faults."""
+    svc = _services()
+    if not svc.config.debug_endpoints:
+        raise NotFound("not found")
+    peers = procstats.tcp_peers()
+    origins = {s.instance.url.split("://", 1)[-1].split("/", 1)[0]: s.instance.url
+               for s in svc.registry.states()}
+    upstream = {url: peers.get(origin, 0) for origin, url in origins.items()}
+    doc = {"pid": os.getpid(), "greenlets": procstats.greenlets(),
+           "rss_bytes": procstats.rss_bytes(), "tcp_connections": sum(peers.values()),
+           "upstream_connections": sum(upstream.values()), "upstream": upstream,
+           "load": svc.inflight.snapshot()}
+    return Response(json.dumps(doc), status=200, content_type="application/json")
 
 
 @bp.post("/start_profile")
