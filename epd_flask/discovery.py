@@ -18,11 +18,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import gevent
 import gevent.pool
 
 from epd_flask.connectors import Placement, Readiness
 from epd_flask.errors import NoBackend, ProxyError
+from epd_flask.periodic import Periodic
 from epd_flask.registry import Registry
 from epd_flask.roster import Instance, Settings
 from epd_flask.transport import Transport
@@ -91,27 +91,17 @@ class BootstrapDiscovery:
         self._was_live: dict[str, bool] = {}
         self._errors: dict[str, str] = {}
         self._cursor = itertools.count()
-        self._greenlet: gevent.Greenlet | None = None
         self._pool = gevent.pool.Pool(QUERY_CONCURRENCY)
+        self._loop = Periodic("bootstrap discovery round", self.refresh_due,
+                              lambda: TICK_SECONDS)
 
     # -- the background greenlet ------------------------------------------------------------
 
     def start(self) -> None:
-        if self._greenlet is None or self._greenlet.dead:
-            self._greenlet = gevent.spawn(self._run)
+        self._loop.start()
 
     def stop(self) -> None:
-        if self._greenlet is not None:
-            self._greenlet.kill(block=False)
-            self._greenlet = None
-
-    def _run(self) -> None:
-        while True:
-            try:
-                self.refresh_due()
-            except Exception:  # the loop must outlive any one bad round
-                logger.exception("bootstrap discovery round failed")
-            gevent.sleep(TICK_SECONDS)
+        self._loop.stop()
 
     def refresh_due(self) -> None:
         """Ask every live prefill whose answer is missing, stale or due for a re-check."""

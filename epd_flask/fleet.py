@@ -14,10 +14,10 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
-import gevent
 import gevent.lock
 
 from epd_flask import rosterfile
+from epd_flask.periodic import Periodic
 from epd_flask.registry import Registry
 from epd_flask.roster import Instance, Roster
 from epd_flask.rosterfile import Change
@@ -44,7 +44,9 @@ class Fleet:
         self.roster_path = roster_path
         self.state = state
         self._edit = gevent.lock.Semaphore()
-        self._greenlet: gevent.Greenlet | None = None
+        # A full disk or a vanished state directory backs off instead of spinning.
+        self._loop = Periodic("state sync", self.sync, lambda: SYNC_INTERVAL,
+                              backoff=SYNC_INTERVAL * 10)
         self._seen: tuple[int, int, int] | None = None
         self._written = -1
 
@@ -139,13 +141,10 @@ class Fleet:
         self._seen = None
         self.sync()
         self.state.prune_health(os.getpid())
-        if self._greenlet is None or self._greenlet.dead:
-            self._greenlet = gevent.spawn(self._run)
+        self._loop.start()
 
     def stop(self) -> None:
-        if self._greenlet is not None:
-            self._greenlet.kill(block=False)
-            self._greenlet = None
+        self._loop.stop()
         if self.state is not None:
             with contextlib.suppress(OSError):
                 self._write_health()
@@ -168,11 +167,3 @@ class Fleet:
         self.state.write_health(os.getpid(), self.registry.export())
         self._written = version
 
-    def _run(self) -> None:
-        while True:
-            try:
-                self.sync()
-            except Exception:  # the loop must outlive a full disk or a vanished directory
-                logger.exception("state sync failed")
-                gevent.sleep(SYNC_INTERVAL * 10)
-            gevent.sleep(SYNC_INTERVAL)

@@ -17,7 +17,6 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-import gevent
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import multiprocess as prom_multiprocess
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -25,6 +24,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from epd_flask.context import FIRST_BYTE, TOTAL, RequestContext
 from epd_flask.events import FleetEntry, Observer, bus
 from epd_flask.metricsdir import ENV as MULTIPROC_ENV
+from epd_flask.periodic import Periodic
 
 logger = logging.getLogger(__name__)
 
@@ -260,16 +260,13 @@ class History:
         self.interval = interval
         self.window = window
         self._samples: deque[Snapshot] = deque()
-        self._greenlet: gevent.Greenlet | None = None
+        self._loop = Periodic("metrics sample", self.sample, lambda: self.interval)
 
     def start(self) -> None:
-        if self._greenlet is None or self._greenlet.dead:
-            self._greenlet = gevent.spawn(self._run)
+        self._loop.start()
 
     def stop(self) -> None:
-        if self._greenlet is not None:
-            self._greenlet.kill(block=False)
-            self._greenlet = None
+        self._loop.stop()
 
     def sample(self) -> Snapshot:
         snap = snapshot()
@@ -285,11 +282,4 @@ class History:
                 return snap
         return None
 
-    def _run(self) -> None:
-        while True:
-            try:
-                self.sample()
-            except Exception:  # a bad sample must not end the sampling
-                logger.exception("metrics sample failed")
-            gevent.sleep(self.interval)
 

@@ -11,11 +11,11 @@ import logging
 import time
 from collections.abc import Callable
 
-import gevent
 import gevent.pool
 
 from epd_flask.errors import ProxyError
 from epd_flask.events import bus
+from epd_flask.periodic import Periodic
 from epd_flask.registry import InstanceState, Registry
 from epd_flask.roster import Settings
 from epd_flask.transport import Transport
@@ -31,17 +31,15 @@ class Prober:
         self.registry = registry
         self.transport = transport
         self.settings = settings
-        self._greenlet: gevent.Greenlet | None = None
         self._pool = gevent.pool.Pool(PROBE_CONCURRENCY)
+        self._loop = Periodic("probe round", self.probe_all,
+                              lambda: self.settings().probe_interval)
 
     def start(self) -> None:
-        if self._greenlet is None or self._greenlet.dead:
-            self._greenlet = gevent.spawn(self._run)
+        self._loop.start()
 
     def stop(self) -> None:
-        if self._greenlet is not None:
-            self._greenlet.kill(block=False)
-            self._greenlet = None
+        self._loop.stop()
 
     def probe_now(self, urls: list[str]) -> None:
         """Probe these instances at once, outside the rhythm of the rounds: an instance added
@@ -81,10 +79,3 @@ class Prober:
             self.registry.record_failure(url, reason)
         return ok
 
-    def _run(self) -> None:
-        while True:
-            try:
-                self.probe_all()
-            except Exception:  # the loop must outlive any one bad round
-                logger.exception("probe round failed")
-            gevent.sleep(self.settings().probe_interval)
