@@ -1,0 +1,121 @@
+"""What the vLLM-tier tests share: HTTP calls that read JSON or SSE, prompts that never share a
+prefix (so a decode's own prefix cache cannot stand in for a KV transfer), and the decode-side
+metrics that prove KV arrived from elsewhere.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import requests
+
+from tests.vllm.fleet import MODEL_NAME, VllmServer
+
+#: Real servers on a shared 2-core machine: generous, but every call ends.
+HTTP_TIMEOUT = 120.0
+#: 80+ tokens: more than two 32-token KV blocks, so there is KV worth moving.
+STORY = ("the quick brown fox jumps over the lazy dog and then tells me a story about cats "
+         "dogs and birds one two three four five six seven eight nine ten hello world what "
+         "is your name")
+EXTERNAL = 'vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}'
+LOCAL = 'vllm:prompt_tokens_by_source_total{source="local_compute"}'
+CACHED = 'vllm:prompt_tokens_by_source_total{source="local_cache_hit"}'
+METRICS_SETTLE_SECONDS = 10.0
+_counter = itertools.count(1)
+
+
+def unique_prompt(tag: str) -> str:
+    """A prompt whose first tokens are new, so no server has any of its blocks cached."""
+    return f"case {tag} {next(_counter)} {STORY}"
+
+
+def completion_body(prompt: str, max_tokens: int = 8, **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0, **extra}
+
+
+def chat_body(text: str, max_tokens: int = 8, **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL_NAME, "messages": [{"role": "user", "content": text}],
+            "max_tokens": max_tokens, "temperature": 0, **extra}
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: dict[str, str]
+    raw: bytes
+
+    @property
+    def json(self) -> Any:
+        return json.loads(self.raw)
+
+    @property
+    def events(self) -> list[Any]:
+        """SSE payloads in order, ``[DONE]`` kept as the string."""
+        out: list[Any] = []
+        for block in self.raw.decode("utf-8").split("\n\n"):
+            block = block.strip()
+            if block.startswith("data: "):
+                data = block[len("data: "):]
+                out.append(data if data == "[DONE]" else json.loads(data))
+        return out
+
+    @property
+    def text(self) -> str:
+        """The generated text, from a JSON body or from stream chunks."""
+        if self.headers.get("content-type", "").startswith("text/event-stream"):
+            parts = []
+            for event in self.events:
+                if event == "[DONE]":
+                    continue
+                for choice in event.get("choices", []):
+                    parts.append(choice.get("text") or
+                                 (choice.get("delta") or {}).get("content") or "")
+            return "".join(parts)
+        choice = self.json["choices"][0]
+        return choice["text"] if "text" in choice else choice["message"]["content"]
+
+
+def call(method: str, url: str, body: Any = None, raw: bytes | None = None,
+         headers: dict[str, str] | None = None) -> Reply:
+    if raw is not None:
+        resp = requests.request(method, url, data=raw, headers=headers, timeout=HTTP_TIMEOUT)
+    else:
+        resp = requests.request(method, url, json=body, headers=headers, timeout=HTTP_TIMEOUT)
+    return Reply(resp.status_code, {k.lower(): v for k, v in resp.headers.items()},
+                 resp.content)
+
+
+def post(base: str, path: str, body: Any) -> Reply:
+    return call("POST", base + path, body)
+
+
+@dataclass
+class Pulled:
+    """What a decode's counters say about one request's prompt tokens."""
+
+    external: float  # tokens whose KV came from another instance
+    local: float  # tokens the decode computed itself
+    extra: dict[str, float]
+
+
+def kv_delta(server: VllmServer, before: dict[str, float], prompt_tokens: int,
+             *names: str) -> Pulled:
+    """Counter changes since ``before``, once the server has accounted for ``prompt_tokens``
+    (its counters trail the response by a scheduler step)."""
+    deadline = time.monotonic() + METRICS_SETTLE_SECONDS
+    while True:
+        after = server.metrics()
+        seen = sum(after.get(k, 0) - before.get(k, 0) for k in (EXTERNAL, LOCAL, CACHED))
+        if seen >= prompt_tokens or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    return Pulled(
+        external=after.get(EXTERNAL, 0) - before.get(EXTERNAL, 0),
+        local=after.get(LOCAL, 0) - before.get(LOCAL, 0),
+        extra={n: after.get(n, 0) - before.get(n, 0) for n in names},
+    )

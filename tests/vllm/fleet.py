@@ -1,0 +1,335 @@
+"""Real processes for the vLLM tier: `vllm serve` servers (CPU build, tiny models) in the
+topologies the proxy supports, and epd-flask under gunicorn in front of them.
+
+Every process starts in its own session (its pid is its process group) and leaves a pid file
+in ``$EPD_VLLM_HOME/run``, so `reap.py` (the Makefile's exit trap) can end whatever a killed run
+left behind. Everything listens on 127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import requests
+import yaml
+
+from tests.helpers import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+HOME = Path(os.environ.get("EPD_VLLM_HOME", Path.home() / ".cache" / "epd-flask" / "vllm"))
+VENV = HOME / "venv"
+MODELS = HOME / "models"
+RUN_DIR = HOME / "run"
+LOG_DIR = HOME / "logs"
+MODEL_NAME = "tiny-llama"
+#: Observed 19-49 s with two servers sharing the two cores; the cap only bounds a broken start.
+VLLM_START_SECONDS = float(os.environ.get("EPD_VLLM_START_SECONDS", "300"))
+GUNICORN_START_SECONDS = 30.0
+STOP_GRACE_SECONDS = 30.0
+POLL_SECONDS = 0.5
+#: vLLM's CPU default block is 128 tokens; 32 lets short prompts fill whole KV blocks.
+COMMON_ARGS = ("--max-model-len", "512", "--enforce-eager", "--block-size", "32")
+#: Real vLLM runs below the shell and the test client so the 2-core machine stays usable.
+NICE = ("nice", "-n", "10")
+
+
+def vllm_env(core: int) -> dict[str, str]:
+    """The environment every server needs here (facts from shared/realvllm/README.md)."""
+    return {
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        # Every socket on loopback, not the VM's interface address.
+        "VLLM_HOST_IP": "127.0.0.1",
+        "UCX_NET_DEVICES": "lo",
+        # Read by our patch of NIXL: its progress thread otherwise busy-polls a whole core.
+        "NIXL_PTHR_DELAY_US": "1000",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": str(core),
+    }
+
+
+class Process:
+    """One started process group with its log and pid file."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], url: str,
+                 cwd: Path = ROOT) -> None:
+        self.name = name
+        self.url = url
+        self.log = LOG_DIR / f"{name}.log"
+        self.pid_file = RUN_DIR / f"{name}.pid"
+        LOG_DIR.mkdir(parents=True, exist_ok=True)
+        RUN_DIR.mkdir(parents=True, exist_ok=True)
+        self.started_at = time.monotonic()
+        self.healthy_after: float | None = None
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(argv, cwd=cwd, env={**os.environ, **env}, stdout=out,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
+        self.pid_file.write_text(str(self.proc.pid))
+
+    def poll_healthy(self, path: str = "/health") -> bool:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
+        try:
+            ok = requests.get(self.url + path, timeout=2).status_code == 200
+        except requests.RequestException:
+            return False
+        if ok and self.healthy_after is None:
+            self.healthy_after = time.monotonic() - self.started_at
+        return ok
+
+    def tail(self, chars: int = 4000) -> str:
+        return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self) -> None:
+        stop_group(self.proc.pid)
+        if self.proc.poll() is None:
+            self.proc.wait(5)
+        self.pid_file.unlink(missing_ok=True)
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stop_group(pgid: int) -> None:
+    """SIGTERM the whole group (vLLM's API server, EngineCore, workers), SIGKILL stragglers."""
+    if not group_alive(pgid):
+        return
+    os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_SECONDS
+    while time.monotonic() < deadline:
+        with contextlib.suppress(ChildProcessError):  # reap our child so the group can empty
+            os.waitpid(pgid, os.WNOHANG)
+        if not group_alive(pgid):
+            return
+        time.sleep(POLL_SECONDS)
+    os.killpg(pgid, signal.SIGKILL)
+
+
+def wait_healthy(procs: list[Process], seconds: float, path: str = "/health") -> None:
+    deadline = time.monotonic() + seconds
+    pending = list(procs)
+    while pending:
+        pending = [p for p in pending if not p.poll_healthy(path)]
+        if not pending:
+            return
+        if time.monotonic() > deadline:
+            names = ", ".join(p.name for p in pending)
+            raise RuntimeError(f"not healthy after {seconds:.0f} s: {names}\n"
+                               + "\n".join(p.tail(1500) for p in pending))
+        time.sleep(POLL_SECONDS)
+
+
+@dataclass
+class VllmServer:
+    """A started `vllm serve`, with what the tests need to know about it."""
+
+    process: Process
+    role: str
+    side_channel_port: int | None = None
+    bootstrap_port: int | None = None
+
+    @property
+    def url(self) -> str:
+        return self.process.url
+
+    @property
+    def bootstrap_url(self) -> str | None:
+        return None if self.bootstrap_port is None else f"http://127.0.0.1:{self.bootstrap_port}"
+
+    def metrics(self) -> dict[str, float]:
+        """Prometheus samples summed over labels except the ones kept in the key."""
+        text = requests.get(self.url + "/metrics", timeout=10).text
+        return parse_metrics(text)
+
+    def log_text(self) -> str:
+        return self.process.log_text()
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """``name{source="x"}`` keeps only a ``source`` label; other labels (model, engine) are
+    summed away, which is enough for one-model, one-engine servers."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        match = re.match(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)", line)
+        if match is None:
+            continue
+        name, labels, value = match.groups()
+        source = re.search(r'source="([^"]*)"', labels or "")
+        key = f'{name}{{source="{source.group(1)}"}}' if source else name
+        try:
+            out[key] = out.get(key, 0.0) + float(value)
+        except ValueError:
+            continue
+    return out
+
+
+def start_vllm(name: str, role: str, core: int, model: str = "tiny-llama",
+               args: tuple[str, ...] = (), env: dict[str, str] | None = None,
+               **ports: int) -> VllmServer:
+    port = free_port()
+    argv = [*NICE, str(VENV / "bin" / "vllm"), "serve", str(MODELS / model),
+            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL_NAME,
+            *COMMON_ARGS, *args]
+    process = Process(name, argv, {**vllm_env(core), **(env or {})}, f"http://127.0.0.1:{port}")
+    return VllmServer(process, role, **ports)
+
+
+def kv_config(connector: str, role: str, extra: dict[str, Any] | None = None) -> str:
+    doc: dict[str, Any] = {"kv_connector": connector, "kv_role": role,
+                           "kv_buffer_device": "cpu"}
+    if extra:
+        doc["kv_connector_extra_config"] = extra
+    return json.dumps(doc)
+
+
+def ec_config(role: str, store: Path) -> str:
+    return json.dumps({"ec_connector": "ECExampleConnector", "ec_role": role,
+                       "ec_buffer_device": "cpu",
+                       "ec_connector_extra_config": {"shared_storage_path": str(store)}})
+
+
+def _nixl() -> list[VllmServer]:
+    servers = []
+    for name, role, core in (("prefill", "kv_producer", 0), ("decode", "kv_consumer", 1)):
+        side = free_port()
+        servers.append(start_vllm(
+            f"nixl-{name}", name, core, args=("--kv-transfer-config", kv_config(
+                "NixlConnector", role)),
+            env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(side)}, side_channel_port=side))
+    return servers
+
+
+def _mooncake() -> list[VllmServer]:
+    servers = []
+    extra = {"mooncake_protocol": "tcp"}
+    for name, role, core in (("prefill", "kv_producer", 0), ("decode", "kv_consumer", 1)):
+        boot = free_port()
+        servers.append(start_vllm(
+            f"mooncake-{name}", name, core, args=("--kv-transfer-config", kv_config(
+                "MooncakeConnector", role, extra)),
+            env={"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(boot)}, bootstrap_port=boot))
+    return servers
+
+
+def _example() -> list[VllmServer]:
+    store = HOME / "kvstore"
+    store.mkdir(parents=True, exist_ok=True)
+    extra = {"shared_storage_path": str(store)}
+    return [
+        start_vllm(f"example-{name}", name, core, args=("--kv-transfer-config", kv_config(
+            "ExampleConnector", role, extra)))
+        for name, role, core in (("prefill", "kv_producer", 0), ("decode", "kv_consumer", 1))
+    ]
+
+
+def _encoder() -> list[VllmServer]:
+    store = HOME / "ecstore"
+    store.mkdir(parents=True, exist_ok=True)
+    mm = ("--limit-mm-per-prompt", '{"image":1}')
+    return [
+        start_vllm("ec-encode", "encode", 0, model="tiny-llava",
+                   args=(*mm, "--mm-encoder-only", "--ec-transfer-config",
+                         ec_config("ec_producer", store))),
+        start_vllm("ec-lm", "prefill_decode", 1, model="tiny-llava",
+                   args=(*mm, "--ec-transfer-config", ec_config("ec_consumer", store))),
+    ]
+
+
+TOPOLOGIES: dict[str, Callable[[], list[VllmServer]]] = {
+    "nixl": _nixl,
+    "mooncake": _mooncake,
+    "example": _example,
+    "encoder": _encoder,
+}
+
+
+@dataclass
+class Topology:
+    name: str
+    servers: list[VllmServer]
+    started_in: float
+    proxies: list[Process] = field(default_factory=list)
+
+    def by_role(self, role: str) -> VllmServer:
+        return next(s for s in self.servers if s.role == role)
+
+    def stop(self) -> None:
+        for p in [*self.proxies, *(s.process for s in self.servers)]:
+            p.stop()
+
+
+class Fleet:
+    """At most one topology alive at a time: each pair of servers takes ~3 GB of RAM."""
+
+    def __init__(self) -> None:
+        self.current: Topology | None = None
+        self.timings: dict[str, float] = {}
+
+    def up(self, name: str) -> Topology:
+        if self.current is not None and self.current.name == name:
+            return self.current
+        self.down()
+        t0 = time.monotonic()
+        servers = TOPOLOGIES[name]()
+        try:
+            wait_healthy([s.process for s in servers], VLLM_START_SECONDS)
+        except BaseException:
+            for s in servers:
+                s.process.stop()
+            raise
+        self.current = Topology(name, servers, time.monotonic() - t0)
+        self.timings[name] = self.current.started_in
+        return self.current
+
+    def down(self) -> None:
+        if self.current is not None:
+            self.current.stop()
+            self.current = None
+
+    def proxy(self, roster: dict[str, Any], workers: int = 1) -> Process:
+        """epd-flask under gunicorn (gevent workers, the project's config) over ``roster``."""
+        assert self.current is not None
+        port = free_port()
+        name = f"gunicorn-{self.current.name}-{len(self.current.proxies)}"
+        roster_file = RUN_DIR / f"{name}.yaml"
+        RUN_DIR.mkdir(parents=True, exist_ok=True)
+        roster_file.write_text(yaml.safe_dump(roster))
+        proc = Process(name, [sys.executable, "-m", "gunicorn", "-c", "etc/gunicorn.conf.py",
+                              "wsgi:app"],
+                       {"EPD_ROSTER": str(roster_file), "PORT": str(port),
+                        "EPD_WORKERS": str(workers), "EPD_LOG_LEVEL": "info"},
+                       f"http://127.0.0.1:{port}")
+        self.current.proxies.append(proc)
+        try:
+            wait_healthy([proc], GUNICORN_START_SECONDS, "/ready")
+        except BaseException:
+            proc.stop()
+            self.current.proxies.remove(proc)
+            raise
+        return proc
