@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from . import control, errors, mooncake, pacing, roles, stream, validate, wire
+from . import control, errors, logprobs, mooncake, pacing, roles, stream, validate, wire
 from .httpio import (
     SSE_HEADERS,
     StartResponse,
@@ -179,7 +179,8 @@ class SimApp:
         if req.stream:
             events = stream.plan_events(
                 answer, chat=req.chat, include_usage=req.include_usage, model=cfg.model,
-                fingerprint=fp, ttft=ttft, token_delay=cfg.token_delay)
+                fingerprint=fp, ttft=ttft, token_delay=cfg.token_delay,
+                logprobs=req.logprobs)
             drop_after = state.take_drop()
             start_response(status_line(200), list(SSE_HEADERS))
             return stream.StreamBody(events, state, sock, drop_after,
@@ -202,9 +203,13 @@ class SimApp:
             finish_reasons=answer.finish_reasons,
             fingerprint=fp,
             usage=wire.usage(answer.prompt_tokens, answer.completion_tokens,
-                             answer.cached_tokens),
+                             answer.cached_tokens if cfg.prompt_tokens_details else 0),
             kv_transfer_params=answer.kv_transfer_params,
             ec_transfer_params=answer.ec_transfer_params,
+            logprobs=None if req.logprobs is None else [
+                (logprobs.chat_logprobs(p, req.logprobs) if req.chat
+                 else logprobs.completion_logprobs(p, req.logprobs))
+                for p in answer.pieces],
         ))
 
     def _pulled(self, outcome: str, sock: Any | None,

@@ -9,7 +9,7 @@ import sys
 
 import gevent
 
-from .config import EC_METADATA_MODES, ROLES, SimConfig
+from .config import EC_METADATA_MODES, KV_CONNECTORS, ROLES, SimConfig
 from .server import SimServer
 
 logger = logging.getLogger(__name__)
@@ -54,6 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-timeout-ms", type=float, default=30000.0,
                    help="Mooncake decode: milliseconds to wait for the prefill's KV before "
                    "answering 500 (default: %(default)s)")
+    p.add_argument("--kv-connector", choices=KV_CONNECTORS, default=None,
+                   help="the KV connector to imitate: nixl (prefill returns handles), "
+                   "mooncake (the router builds them), example (no handles: KV is found by "
+                   "prompt). Default: mooncake with --bootstrap-port, else nixl")
+    p.add_argument("--prompt-tokens-details", action="store_true",
+                   help="report prefix-cache hits in usage.prompt_tokens_details, as vLLM "
+                   "does with --enable-prompt-tokens-details (default: null, as vLLM)")
     p.add_argument("--ec-metadata", choices=EC_METADATA_MODES, default="grid",
                    help="encoder metadata per item: a plausible image grid, or {} as real "
                    "LLaVA sends (default: %(default)s)")
@@ -90,7 +97,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         ec_metadata=args.ec_metadata, kv_timeout=args.kv_timeout_ms / MS,
         keepalive_timeout=args.keepalive_timeout,
         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
-        profiler=args.profiler,
+        profiler=args.profiler, kv_connector=args.kv_connector,
+        prompt_tokens_details=args.prompt_tokens_details,
     )
 
 

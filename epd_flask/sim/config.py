@@ -14,6 +14,9 @@ from typing import Any
 
 ROLES = ("encode", "prefill", "decode", "prefill_decode")
 EC_METADATA_MODES = ("grid", "empty")
+#: NIXL (prefill answers handles), Mooncake (the router makes them), Example (shared files:
+#: no handles at all, KV found by prompt).
+KV_CONNECTORS = ("nixl", "mooncake", "example")
 VLLM_VERSION = "0.32.0"
 DEFAULT_MODEL = "tiny-llama"
 DEFAULT_SECRET = "epd-sim"
@@ -46,6 +49,11 @@ class SimConfig:
     dp_size: int = 1
     # None: no Mooncake bootstrap server; 0: one on an ephemeral port.
     bootstrap_port: int | None = None
+    # None: "mooncake" when there is a bootstrap port, else "nixl".
+    kv_connector: str | None = None
+    # vLLM's --enable-prompt-tokens-details: off by default, and then usage always has
+    # "prompt_tokens_details": null, prefix-cache hits or not.
+    prompt_tokens_details: bool = False
     record_limit: int = 200
     # "grid": plausible image_grid_thw metadata; "empty": {} like real LLaVA.
     ec_metadata: str = "grid"
@@ -78,17 +86,17 @@ class SimConfig:
             raise ValueError("tls_cert and tls_key go together")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("tls_client_ca needs tls_cert and tls_key")
+        if self.kv_connector is None:
+            self.kv_connector = "mooncake" if self.bootstrap_port is not None else "nixl"
+        if self.kv_connector not in KV_CONNECTORS:
+            raise ValueError(f"kv_connector must be one of {', '.join(KV_CONNECTORS)}, "
+                             f"got {self.kv_connector!r}")
         for name in LIVE_KNOBS:
             setattr(self, name, coerce_knob(name, getattr(self, name)))
 
     @property
     def scheme(self) -> str:
         return "https" if self.tls_cert else "http"
-
-    @property
-    def kv_connector(self) -> str:
-        """Which KV connector the sim imitates: a bootstrap server means Mooncake, else NIXL."""
-        return "mooncake" if self.bootstrap_port is not None else "nixl"
 
     def with_engine_id(self) -> SimConfig:
         """A copy whose engine id is fixed, so a restart (new SimServer) gets a new one."""

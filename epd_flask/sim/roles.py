@@ -60,7 +60,8 @@ def _prefill(req: Request, state: SimState, rank: int, request_id: str) -> Answe
     cached = [state.prefix_cache.lookup_and_insert(p, t)
               for p, t in zip(req.prompts, req.prompt_tokens, strict=True)]
     state.count("prefix_cached_tokens", sum(cached))
-    if not handles.wants_remote_decode(req.kv_params):
+    # ExampleConnector ignores kv_transfer_params: it stores every prompt's KV by content.
+    if cfg.kv_connector == "example" or not handles.wants_remote_decode(req.kv_params):
         answer = _generate(req, *_token_budget(req, state), request_id)
         answer.cached_tokens = sum(cached)
         return answer
@@ -93,6 +94,9 @@ def _prefill(req: Request, state: SimState, rank: int, request_id: str) -> Answe
 
 
 def _decode(req: Request, state: SimState, request_id: str) -> Answer:
+    if state.config.kv_connector == "example":
+        # Shared storage: any params are ignored (real vLLM: no hang, no error).
+        return _generate(req, *_token_budget(req, state), request_id)
     verdict = handles.classify(state.config.secret, req.kv_params, req.prompt_tokens[-1])
     if verdict != handles.MOONCAKE:  # a Mooncake handle is judged by the pull itself
         state.count(f"kv_handles_{verdict}")

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from . import logprobs as lp
 from . import pacing, wire
 from .roles import Answer
 from .state import SimState
@@ -21,7 +22,7 @@ Event = tuple[float, bytes]  # (seconds to wait before it, the bytes of one SSE 
 
 def plan_events(
     answer: Answer, *, chat: bool, include_usage: bool, model: str, fingerprint: str,
-    ttft: float, token_delay: float,
+    ttft: float, token_delay: float, logprobs: int | None = None,
 ) -> list[Event]:
     """The SSE events of ``answer`` in order, each with the delay that precedes it."""
     rid, created = answer.request_id, int(time.time())
@@ -35,6 +36,7 @@ def plan_events(
             events.append((delay, wire.sse(wire.chat_role_chunk(rid, created, model, index))))
             delay = 0.0
     steps = max((len(p) for p in answer.pieces), default=0)
+    offsets = [0] * len(answer.pieces)
     if steps == 0:
         for index, reason in enumerate(answer.finish_reasons):
             events.append((delay, wire.sse(chunk(rid, created, model, index, "", reason,
@@ -46,8 +48,10 @@ def plan_events(
                 continue
             last = step == len(pieces) - 1
             reason = answer.finish_reasons[index] if last else None
-            events.append((delay, wire.sse(chunk(rid, created, model, index, pieces[step],
-                                                 reason, final_fp if last else None))))
+            events.append((delay, wire.sse(chunk(
+                rid, created, model, index, pieces[step], reason, final_fp if last else None,
+                _chunk_logprobs(pieces[step], step, offsets[index], chat, logprobs)))))
+            offsets[index] += len(pieces[step])
             delay = 0.0
         delay = token_delay
     if include_usage:
@@ -56,6 +60,15 @@ def plan_events(
                                                       fingerprint))))
     events.append((0.0, wire.DONE))
     return events
+
+
+def _chunk_logprobs(piece: str, position: int, offset: int, chat: bool,
+                    k: int | None) -> dict[str, Any] | None:
+    if k is None:
+        return None
+    if chat:
+        return lp.chat_logprobs([piece], k, first_position=position)
+    return lp.completion_logprobs([piece], k, first_offset=offset, first_position=position)
 
 
 class StreamBody:

@@ -28,6 +28,9 @@ class Request:
     include_usage: bool
     kv_params: dict[str, Any] | None
     messages: list[Any] = field(default_factory=list)
+    # How many alternatives per token to report (completions' ``logprobs``, chat's
+    # ``top_logprobs``); None: no logprobs asked for.
+    logprobs: int | None = None
 
     @property
     def total_prompt_tokens(self) -> int:
@@ -146,6 +149,11 @@ def parse_request(
         max_name = "max_tokens"
     max_tokens = _optional_int(body, max_name)
     stream = _optional_bool(body, "stream")
+    if chat:
+        logprobs = (_optional_int(body, "top_logprobs") or 0) if _optional_bool(
+            body, "logprobs") else None
+    else:
+        logprobs = _optional_int(body, "logprobs")
     stream_options = _optional_dict(body, "stream_options") or {}
     kv_params = _optional_dict(body, "kv_transfer_params")
 
@@ -188,4 +196,5 @@ def parse_request(
         include_usage=bool(stream_options.get("include_usage")),
         kv_params=kv_params,
         messages=messages,
+        logprobs=logprobs,
     )

@@ -34,6 +34,8 @@ def fingerprint(engine_id: str) -> str:
 def usage(
     prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, detailed: bool = True
 ) -> dict[str, Any]:
+    """``cached_tokens`` shows only when non-zero, and only if the server reports prompt
+    details at all (the caller passes 0 otherwise, as vLLM without the flag)."""
     out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
@@ -56,12 +58,15 @@ def completion_response(
     usage: dict[str, Any],
     kv_transfer_params: dict[str, Any] | None = None,
     ec_transfer_params: dict[str, Any] | None = None,
+    logprobs: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
+    per_choice = logprobs or [None] * len(texts)
     choices = [
-        {"index": i, "text": text, "logprobs": None, "finish_reason": reason,
+        {"index": i, "text": text, "logprobs": lp, "finish_reason": reason,
          "stop_reason": None, "token_ids": None, "prompt_logprobs": None,
          "prompt_token_ids": None, "routed_experts": None}
-        for i, (text, reason) in enumerate(zip(texts, finish_reasons, strict=True))
+        for i, (text, reason, lp) in enumerate(zip(texts, finish_reasons, per_choice,
+                                                   strict=True))
     ]
     return {
         "id": request_id, "object": "text_completion", "created": created, "model": model,
@@ -82,15 +87,18 @@ def chat_response(
     usage: dict[str, Any],
     kv_transfer_params: dict[str, Any] | None = None,
     ec_transfer_params: dict[str, Any] | None = None,
+    logprobs: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
+    per_choice = logprobs or [None] * len(texts)
     choices = [
         {"index": i,
          "message": {"role": "assistant", "content": text, "refusal": None,
                      "annotations": None, "audio": None, "function_call": None,
                      "reasoning": None},
-         "logprobs": None, "finish_reason": reason, "stop_reason": None, "token_ids": None,
+         "logprobs": lp, "finish_reason": reason, "stop_reason": None, "token_ids": None,
          "routed_experts": None}
-        for i, (text, reason) in enumerate(zip(texts, finish_reasons, strict=True))
+        for i, (text, reason, lp) in enumerate(zip(texts, finish_reasons, per_choice,
+                                                   strict=True))
     ]
     return {
         "id": request_id, "object": "chat.completion", "created": created, "model": model,
@@ -104,11 +112,12 @@ def chat_response(
 def completion_chunk(
     request_id: str, created: int, model: str, index: int, text: str,
     finish_reason: str | None = None, fingerprint: str | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One token of a streamed completion; the last one per choice carries ``finish_reason``."""
     chunk: dict[str, Any] = {
         "id": request_id, "object": "text_completion", "created": created, "model": model,
-        "choices": [{"index": index, "text": text, "logprobs": None,
+        "choices": [{"index": index, "text": text, "logprobs": logprobs,
                      "finish_reason": finish_reason, "stop_reason": None,
                      "prompt_token_ids": None, "token_ids": None}],
     }
@@ -130,8 +139,9 @@ def chat_role_chunk(request_id: str, created: int, model: str, index: int) -> di
 def chat_chunk(
     request_id: str, created: int, model: str, index: int, text: str,
     finish_reason: str | None = None, fingerprint: str | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": index, "delta": {"content": text}, "logprobs": None,
+    choice: dict[str, Any] = {"index": index, "delta": {"content": text}, "logprobs": logprobs,
                               "finish_reason": finish_reason}
     if finish_reason is not None:
         choice["stop_reason"] = None

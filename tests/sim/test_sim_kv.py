@@ -147,7 +147,7 @@ def test_streamed_prefill_sends_one_chunk_without_params(start_sim):
 
 
 def test_prefix_cache_reports_cached_blocks(start_sim):
-    p = start_sim(role="prefill")
+    p = start_sim(role="prefill", prompt_tokens_details=True)
     first = _prefill(p.url)
     assert first["kv_transfer_params"]["remote_prefill_cached_tokens"] == 0
     assert first["usage"]["prompt_tokens_details"] is None
@@ -156,6 +156,16 @@ def test_prefix_cache_reports_cached_blocks(start_sim):
     assert cached > 0 and cached % 16 == 0
     assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": cached}
     assert cached < second["usage"]["prompt_tokens"]
+
+
+def test_prompt_details_stay_null_without_the_flag(start_sim):
+    """Real vLLM reports prefix-cache hits in usage only with --enable-prompt-tokens-details;
+    by default the captures show null even when the prefill had 64 tokens cached."""
+    p = start_sim(role="prefill")
+    _prefill(p.url)
+    second = _prefill(p.url, prompt=PROMPT + " and again with more words")
+    assert second["kv_transfer_params"]["remote_prefill_cached_tokens"] > 0
+    assert second["usage"]["prompt_tokens_details"] is None
 
 
 def test_incomplete_handle_hangs_then_kills_the_engine(start_sim, wait_for):
