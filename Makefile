@@ -18,6 +18,9 @@ PYTEST_ARGS ?=
 BENCH_VENV ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/epd-flask/bench-venv
 VLLM_ROUTER_VERSION ?= 0.1.17
 BENCH_ARGS ?=
+# The real-vLLM tier keeps its ~4 GB venv, tiny models, logs and pid files out of the tree.
+VLLM_HOME ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/epd-flask/vllm
+VLLM_TIMEOUT ?= 1800
 # install-service: where the service lives and who it runs as
 PREFIX ?= /opt/epd-flask
 CONF_DIR ?= /etc/epd-flask
@@ -26,7 +29,7 @@ SERVICE_USER ?= epd-flask
 
 export EPD_ROSTER
 
-.PHONY: run test chaos lint bench reload check-roster install-service service-unit clean
+.PHONY: run test test-vllm chaos lint bench reload check-roster install-service service-unit clean
 
 $(STAMP): setup.cfg setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +56,17 @@ test: $(STAMP)
 ## chaos: kill, stall and break instances under a mixed load through real gunicorn (~40 s)
 chaos: $(STAMP)
 	$(BIN)/python -m gevent.monkey --module pytest -m chaos -s tests/chaos $(PYTEST_ARGS)
+
+## test-vllm: the proxy against real vLLM (CPU build, tiny models built here) under gunicorn.
+## The first run builds $(VLLM_HOME) (~1.5 min, ~4 GB); every process it starts is stopped on
+## exit, and the whole run is cut after $(VLLM_TIMEOUT) s.
+test-vllm: $(STAMP)
+	tests/vllm/venv.sh $(VLLM_HOME)/venv
+	$(VLLM_HOME)/venv/bin/python tests/vllm/tiny_models.py $(VLLM_HOME)/models
+	@trap '$(BIN)/python tests/vllm/reap.py $(VLLM_HOME)/run' EXIT INT TERM; \
+	EPD_VLLM_HOME=$(VLLM_HOME) timeout -k 30 $(VLLM_TIMEOUT) \
+	    $(BIN)/python -m gevent.monkey --module pytest -m vllm -p no:cacheprovider \
+	    tests/vllm $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

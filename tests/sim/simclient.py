@@ -11,9 +11,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-#: The captures live beside the checkout (../shared in CI, /work/shared here).
-SAMPLES_DIR = REPO_ROOT.parent / "shared" / "realvllm" / "samples"
+#: Real vLLM traffic captured on this kind of machine, copied in as test data.
+SAMPLES_DIR = Path(__file__).resolve().parent / "fixtures" / "realvllm"
 IO_TIMEOUT = 5.0
 
 

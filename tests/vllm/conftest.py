@@ -9,6 +9,7 @@ and how long each topology took to become healthy.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,13 +18,17 @@ import pytest
 from tests.vllm import fleet as fleet_mod
 from tests.vllm import reap
 
+ENV_SWITCH = "EPD_VLLM_HOME"
 READY_STAMP = fleet_mod.VENV / ".epd-flask-ready"
 _outcomes: list[tuple[str, str, float]] = []
 _fleet_timings: dict[str, float] = {}
 
 
 def _ready() -> bool:
-    return READY_STAMP.exists() and (fleet_mod.MODELS / ".complete").exists()
+    """Only `make test-vllm` (which sets EPD_VLLM_HOME) runs the tier, even where a venv
+    from an earlier run is ready: plain `make test` must stay light."""
+    return (ENV_SWITCH in os.environ and READY_STAMP.exists()
+            and (fleet_mod.MODELS / ".complete").exists())
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -256,8 +256,10 @@ def _encoder() -> list[VllmServer]:
         start_vllm("ec-encode", "encode", 0, model="tiny-llava",
                    args=(*mm, "--mm-encoder-only", "--ec-transfer-config",
                          ec_config("ec_producer", store))),
+        # DEBUG: the EC connector logs a consumer's load of a stored embedding only there.
         start_vllm("ec-lm", "prefill_decode", 1, model="tiny-llava",
-                   args=(*mm, "--ec-transfer-config", ec_config("ec_consumer", store))),
+                   args=(*mm, "--ec-transfer-config", ec_config("ec_consumer", store)),
+                   env={"VLLM_LOGGING_LEVEL": "DEBUG"}),
     ]
 
 
