@@ -319,8 +319,8 @@ class Fleet:
         assert self.current is not None
         port = free_port()
         name = f"gunicorn-{self.current.name}-{len(self.current.proxies)}"
-        roster_file = RUN_DIR / f"{name}.yaml"
-        RUN_DIR.mkdir(parents=True, exist_ok=True)
+        roster_file = LOG_DIR / f"{name}.roster.yaml"
+        LOG_DIR.mkdir(parents=True, exist_ok=True)
         roster_file.write_text(yaml.safe_dump(roster))
         proc = Process(name, [sys.executable, "-m", "gunicorn", "-c", "etc/gunicorn.conf.py",
                               "wsgi:app"],
