@@ -53,12 +53,20 @@ def nixl_params(
     chat: bool,
     num_tokens: int,
     block_ids: list[int],
-    cached_tokens: int,
+    cached_tokens: int | None,
     host: str,
     side_channel_port: int,
+    computed_tokens: int | None = None,
 ) -> dict[str, Any]:
-    """What a NIXL prefill returns for the decode, key for key in the captured order."""
-    return {
+    """What a NIXL prefill returns for the decode, key for key in the captured order.
+
+    ``num_tokens`` is the prompt's length (what the signature covers); ``computed_tokens``
+    what vLLM reports as ``remote_num_tokens``: the prompt, plus all but the last generated
+    token when the prefill was allowed more than one. vLLM adds
+    ``remote_prefill_cached_tokens`` only when the request ended in its prefill step, so
+    ``cached_tokens`` None leaves it out.
+    """
+    params: dict[str, Any] = {
         "do_remote_prefill": True,
         "do_remote_decode": False,
         "remote_block_ids": [block_ids],
@@ -69,11 +77,13 @@ def nixl_params(
         "tp_size": 1,
         "dcp_size": 1,
         "pp_size": 1,
-        "remote_num_tokens": num_tokens,
+        "remote_num_tokens": num_tokens if computed_tokens is None else computed_tokens,
         "remote_blocks_expiry_time": None,
         "transfer_mode": "pull",
-        "remote_prefill_cached_tokens": cached_tokens,
     }
+    if cached_tokens is not None:
+        params["remote_prefill_cached_tokens"] = cached_tokens
+    return params
 
 
 def blocks_for(num_tokens: int) -> int:
@@ -105,7 +115,9 @@ def classify(secret: str, params: dict[str, Any] | None, own_num_tokens: int) ->
         return INCOMPLETE
     match = _SIGNED_ID.match(str(params["remote_request_id"]))
     num_tokens = params.get("remote_num_tokens")
-    if match is None or not isinstance(num_tokens, int) or num_tokens != own_num_tokens:
+    # vLLM reads min(remote_num_tokens, its prompt): more than the prompt is fine (a prefill
+    # that generated several tokens), fewer means the handle is for another prompt.
+    if match is None or not isinstance(num_tokens, int) or num_tokens < own_num_tokens:
         return INVALID
-    expected = sign(secret, str(params["remote_engine_id"]), match["base"], num_tokens)
+    expected = sign(secret, str(params["remote_engine_id"]), match["base"], own_num_tokens)
     return VALID if hmac.compare_digest(expected, match["sig"]) else INVALID

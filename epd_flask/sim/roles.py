@@ -65,8 +65,9 @@ def _prefill(req: Request, state: SimState, rank: int, request_id: str) -> Answe
         answer = _generate(req, *_token_budget(req, state), request_id)
         answer.cached_tokens = sum(cached)
         return answer
-    # Remote decode: one token now, the KV stays here for the decode to pull.
-    answer = _generate(req, 1, "length", request_id)
+    # Remote decode: the KV stays here for the decode to pull. Real vLLM still honours
+    # max_tokens (a proxy sends 1); the handles then cover the generated tokens too.
+    answer = _generate(req, *_token_budget(req, state), request_id)
     answer.cached_tokens = sum(cached)
     if req.stream:
         return answer  # real vLLM sends no kv_transfer_params in any SSE chunk
@@ -79,16 +80,19 @@ def _prefill(req: Request, state: SimState, rank: int, request_id: str) -> Answe
             answer.transfer_id = transfer_id
         return answer
     num_tokens = req.prompt_tokens[-1]  # several prompts: vLLM returns the last one's params
+    generated = len(answer.pieces[-1])
+    computed = num_tokens + max(generated - 1, 0)
     answer.kv_transfer_params = handles.nixl_params(
         secret=cfg.secret,
         engine_id=state.rank_engine_ids[rank],
         request_id=request_id,
         chat=req.chat,
         num_tokens=num_tokens,
-        block_ids=state.blocks.allocate(handles.blocks_for(num_tokens)),
-        cached_tokens=cached[-1],
+        block_ids=state.blocks.allocate(handles.blocks_for(computed)),
+        cached_tokens=cached[-1] if generated <= 1 else None,
         host=cfg.host,
         side_channel_port=cfg.side_channel_port,
+        computed_tokens=computed,
     )
     return answer
 

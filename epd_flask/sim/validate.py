@@ -167,7 +167,7 @@ def parse_request(
     if max_tokens is not None:
         if max_tokens < 1:
             raise errors.bad_request(f"max_tokens must be at least 1, got {max_tokens}.",
-                                     max_name)
+                                     max_name, max_tokens)
         if max_tokens > max_model_len:
             raise errors.bad_request(
                 f"{max_name}={max_tokens} cannot be greater than max_model_len="

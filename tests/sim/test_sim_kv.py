@@ -79,7 +79,7 @@ def test_prefill_response_shape_matches_nixl_capture(start_sim):
 
 
 @pytest.mark.parametrize("tamper", [
-    lambda p: p.update(remote_num_tokens=p["remote_num_tokens"] + 1),
+    lambda p: p.update(remote_num_tokens=p["remote_num_tokens"] - 1),
     lambda p: p.update(remote_engine_id="0a9f1b60-0000-4000-8000-000000000000"),
     lambda p: p.update(remote_request_id=p["remote_request_id"][:-1] + "x"),
     lambda p: p.update(remote_request_id="cmpl-0123456789abcdef-0-00000000"),
@@ -246,3 +246,19 @@ def test_mooncake_decode_with_a_transfer_nobody_computes_times_out(start_sim):
     other = start_sim(role="prefill", bootstrap_port=0)  # an engine id this bootstrap never issued
     wrong = _decode(d.url, {**params, "remote_bootstrap_addr": other.bootstrap_url})
     assert wrong.status_code == 200 and d.state.stats()["kv_handles_invalid"] == 1
+
+
+def test_prefill_allowed_more_tokens_hands_off_them_all(start_sim):
+    """Real vLLM (seen live): a do_remote_decode prefill given max_tokens 8 generates 8
+    tokens, reports remote_num_tokens = prompt + 7 and no remote_prefill_cached_tokens; a
+    decode reads min(remote_num_tokens, its prompt), so the handle is still good."""
+    p, d = start_sim(role="prefill"), start_sim(role="decode")
+    body = {"prompt": PROMPT, "max_tokens": 8,
+            "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
+    doc = requests.post(p.url + "/v1/completions", json=body, timeout=5).json()
+    params = doc["kv_transfer_params"]
+    assert doc["usage"]["completion_tokens"] == 8
+    assert params["remote_num_tokens"] == doc["usage"]["prompt_tokens"] + 7
+    assert "remote_prefill_cached_tokens" not in params
+    assert _decode(d.url, params).status_code == 200
+    assert d.state.stats()["kv_handles_valid"] == 1

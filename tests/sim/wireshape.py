@@ -8,9 +8,13 @@ import json
 import re
 from typing import Any
 
-#: Keys whose value is a map keyed by content rather than by field names.
-CONTENT_KEYED = frozenset({"ec_transfer_params", "top_logprobs"})
 DIGITS = re.compile(r"\d+")
+
+
+def _content_keyed(key: str | None, parent: str | None) -> bool:
+    """Maps keyed by content: EC handles by media hash, and the completions form's top
+    logprobs by token text (chat's ``top_logprobs`` entries have fixed keys)."""
+    return key == "ec_transfer_params" or (key == "top_logprobs" and parent == "logprobs")
 
 
 def _scalar(value: Any) -> str:
@@ -23,13 +27,17 @@ def _scalar(value: Any) -> str:
     return "str"
 
 
-def shape(value: Any, content_keyed: bool = False) -> Any:
+def shape(value: Any, key: str | None = None, parent: str | None = None) -> Any:
     if isinstance(value, dict):
-        if content_keyed:
+        if _content_keyed(key, parent):
             return {"<key>": shape(next(iter(value.values())))} if value else {}
-        return {k: shape(v, k in CONTENT_KEYED) for k, v in value.items()}
+        return {k: shape(v, k, key) for k, v in value.items()}
     if isinstance(value, list):
-        return [shape(value[0], content_keyed)] if value else []
+        if not value:
+            return []
+        # The richest item stands for all: one token's bytes may be an empty list.
+        items = [shape(v, key, parent) for v in value]
+        return [max(items, key=lambda item: len(json.dumps(item)))]
     return _scalar(value)
 
 

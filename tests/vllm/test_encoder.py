@@ -15,6 +15,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from epd_flask.sim import SimConfig, SimServer
+from tests.sim.wireshape import body_shape
 from tests.vllm.checks import post
 
 EMBEDDING_LOADED = "Success load encoder cache for hash {}"
@@ -94,3 +96,25 @@ def test_proxy_runs_the_encoder_stage(epd, proxy, stream):
                      "encoded the image itself")
     loaded = epd.lm.log_text()[log_before:]
     assert "Success load encoder cache for hash" in loaded
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    pytest.param("/v1/chat/completions", image_chat(seed=3), id="image"),
+    pytest.param("/v1/chat/completions", image_chat(seed=4, stream=True), id="image-stream"),
+    pytest.param("/v1/chat/completions",
+                 {"model": "tiny-llama", "max_tokens": 1,
+                  "messages": [{"role": "user", "content": "text only"}]}, id="text-only"),
+    pytest.param("/v1/completions", {"model": "tiny-llama", "prompt": "hi", "max_tokens": 2},
+                 id="completion-text"),
+])
+def test_sim_encoder_matches_real_encoder(epd, path, body):
+    """The simulated encoder (metadata {} like LLaVA) answers in the real encoder's shape."""
+    sim = SimServer(SimConfig(role="encode", ec_metadata="empty")).start()
+    try:
+        real, simulated = post(epd.encoder.url, path, body), post(sim.url, path, body)
+    finally:
+        sim.stop()
+    assert simulated.status == real.status, (real.raw, simulated.raw)
+    ctype = real.headers.get("content-type", "")
+    assert simulated.headers.get("content-type") == ctype
+    assert body_shape(simulated.raw.decode(), ctype) == body_shape(real.raw.decode(), ctype)
