@@ -59,12 +59,13 @@ chaos: $(STAMP)
 
 ## test-vllm: the proxy against real vLLM (CPU build, tiny models built here) under gunicorn.
 ## The first run builds $(VLLM_HOME) (~1.5 min, ~4 GB); every process it starts is stopped on
-## exit, and the whole run is cut after $(VLLM_TIMEOUT) s.
+## exit, and the whole run is cut after $(VLLM_TIMEOUT) s. --foreground keeps pytest in the
+## terminal's process group, so Ctrl-C reaches it and its fixtures stop the servers.
 test-vllm: $(STAMP)
 	tests/vllm/venv.sh $(VLLM_HOME)/venv
 	$(VLLM_HOME)/venv/bin/python tests/vllm/tiny_models.py $(VLLM_HOME)/models
 	@trap '$(BIN)/python tests/vllm/reap.py $(VLLM_HOME)/run' EXIT INT TERM; \
-	EPD_VLLM_HOME=$(VLLM_HOME) timeout -k 30 $(VLLM_TIMEOUT) \
+	EPD_VLLM_HOME=$(VLLM_HOME) timeout --foreground -k 30 $(VLLM_TIMEOUT) \
 	    $(BIN)/python -m gevent.monkey --module pytest -m vllm -p no:cacheprovider \
 	    tests/vllm $(PYTEST_ARGS)
 
