@@ -32,13 +32,13 @@ def _ready() -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    skip = pytest.mark.skip(reason="real vLLM not set up here: run `make test-vllm`")
-    for item in items:
-        if "tests/vllm/" not in item.nodeid.replace("\\", "/"):
-            continue
+    """Marks the tier ``vllm``; outside `make test-vllm` it is deselected, not run."""
+    ours = [item for item in items if "tests/vllm/" in item.nodeid.replace("\\", "/")]
+    for item in ours:
         item.add_marker(pytest.mark.vllm)
-        if not _ready():
-            item.add_marker(skip)
+    if ours and not _ready():
+        config.hook.pytest_deselected(items=ours)
+        items[:] = [item for item in items if item not in ours]
 
 
 @pytest.hookimpl(hookwrapper=True)
