@@ -30,6 +30,7 @@ class Answer:
     transfer_id: str | None = None
     # Mooncake decode: the handle to pull KV with before the first token.
     pull: dict[str, Any] | None = None
+    encoder_only: bool = False  # no generation at all: a stream has no content chunk
 
     @property
     def completion_tokens(self) -> int:
@@ -117,7 +118,7 @@ def _encode(req: Request, state: SimState, request_id: str) -> Answer:
     kwargs = req.body.get("mm_processor_kwargs")
     items = media.extract_items(req.messages, kwargs)
     answer = Answer(request_id=request_id, pieces=[[]], finish_reasons=["stop"],
-                    prompt_tokens=req.total_prompt_tokens)
+                    prompt_tokens=req.total_prompt_tokens, encoder_only=True)
     if not items:
         return answer  # real vLLM: nothing to encode, nothing published, ec_transfer_params null
     state.count("items_encoded", len(items))

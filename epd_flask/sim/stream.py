@@ -37,7 +37,10 @@ def plan_events(
             delay = 0.0
     steps = max((len(p) for p in answer.pieces), default=0)
     offsets = [0] * len(answer.pieces)
-    if steps == 0:
+    # An answer that ends at once (EOS first) still gets its finish chunk; an encoder-only
+    # server's (no generation at all) gets none: real vLLM sends the role chunk (chat), the
+    # usage chunk if asked, and [DONE].
+    if steps == 0 and not answer.encoder_only:
         for index, reason in enumerate(answer.finish_reasons):
             events.append((delay, wire.sse(chunk(rid, created, model, index, "", reason,
                                                  final_fp))))

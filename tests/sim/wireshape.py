@@ -51,13 +51,28 @@ def sse_payloads(text: str) -> list[Any]:
     return out
 
 
+def _compatible(a: Any, b: Any) -> bool:
+    """Equal shapes, where an empty list matches any list (a token can have no bytes)."""
+    if isinstance(a, list) and isinstance(b, list):
+        return not a or not b or _compatible(a[0], b[0])
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_compatible(a[k], b[k]) for k in a)
+    return a == b
+
+
+def _richer(a: Any, b: Any) -> Any:
+    return a if len(json.dumps(a)) >= len(json.dumps(b)) else b
+
+
 def body_shape(body: str, content_type: str) -> Any:
-    """A JSON body's shape, or a stream's chunk shapes with repeats folded."""
+    """A JSON body's shape, or a stream's chunk shapes with runs of like chunks folded."""
     if content_type.startswith("text/event-stream"):
         folded: list[Any] = []
         for payload in sse_payloads(body):
             item = payload if payload == "[DONE]" else shape(payload)
-            if not folded or folded[-1] != item:
+            if folded and _compatible(folded[-1], item):
+                folded[-1] = _richer(folded[-1], item)
+            else:
                 folded.append(item)
         return folded
     return shape(json.loads(body)) if body else ""

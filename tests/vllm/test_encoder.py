@@ -102,10 +102,15 @@ def test_proxy_runs_the_encoder_stage(epd, proxy, stream):
     pytest.param("/v1/chat/completions", image_chat(seed=3), id="image"),
     pytest.param("/v1/chat/completions", image_chat(seed=4, stream=True), id="image-stream"),
     pytest.param("/v1/chat/completions",
+                 image_chat(seed=5, stream=True, stream_options={"include_usage": True}),
+                 id="image-stream-usage"),
+    pytest.param("/v1/chat/completions",
                  {"model": "tiny-llama", "max_tokens": 1,
                   "messages": [{"role": "user", "content": "text only"}]}, id="text-only"),
     pytest.param("/v1/completions", {"model": "tiny-llama", "prompt": "hi", "max_tokens": 2},
                  id="completion-text"),
+    pytest.param("/v1/completions", {"model": "tiny-llama", "prompt": "hi", "max_tokens": 2,
+                                     "stream": True}, id="completion-text-stream"),
 ])
 def test_sim_encoder_matches_real_encoder(epd, path, body):
     """The simulated encoder (metadata {} like LLaVA) answers in the real encoder's shape."""
