@@ -264,7 +264,8 @@ def test_p2p_nccl_roster_needs_kv_addresses(proxy, sim) -> None:
 @pytest.mark.parametrize("connector", ["nixl", "none"])
 @pytest.mark.parametrize("stream", [False, True])
 def test_usage_reports_prefill_prefix_cache_hits(sim, proxy, connector, stream) -> None:
-    p, d = sim("prefill"), sim("decode")
+    # vLLM reports prefix-cache hits in usage only with --enable-prompt-tokens-details.
+    p, d = sim("prefill", prompt_tokens_details=True), sim("decode", prompt_tokens_details=True)
     px = proxy({"settings": {"connector": connector}, "instances": [
         {"role": "prefill", "url": p.url}, {"role": "decode", "url": d.url}]})
     body = {"model": "tiny-llama", "prompt": LONG_PROMPT, "max_tokens": 4, "stream": stream,

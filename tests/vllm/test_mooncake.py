@@ -60,7 +60,8 @@ def test_real_pair_moves_kv_by_hand(pd):
     assert pulled.external == tokens and pulled.local == 0, pulled
 
 
-def _proxy(pd):
+@pytest.fixture(scope="module")
+def proxy(pd):
     if "mooncake" not in CONNECTORS:
         pytest.xfail("the proxy on this branch has no mooncake connector (issue 5): "
                      f"available: {', '.join(sorted(CONNECTORS))}")
@@ -75,10 +76,11 @@ def _proxy(pd):
 
 @pytest.mark.parametrize(("path", "stream"), [
     pytest.param("/v1/completions", False, id="completions"),
+    pytest.param("/v1/completions", True, id="completions-stream"),
+    pytest.param("/v1/chat/completions", False, id="chat"),
     pytest.param("/v1/chat/completions", True, id="chat-stream"),
 ])
-def test_proxy_mooncake_pulls_kv(pd, path, stream):
-    proxy = _proxy(pd)
+def test_proxy_mooncake_pulls_kv(pd, proxy, path, stream):
     prompt = unique_prompt(f"mooncake {path}")
     extra = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
     body = (chat_body if "chat" in path else completion_body)(prompt, **extra)
@@ -88,3 +90,5 @@ def test_proxy_mooncake_pulls_kv(pd, path, stream):
     usage = reply.events[-2]["usage"] if stream else reply.json["usage"]
     pulled = kv_delta(pd.decode, before, usage["prompt_tokens"])
     assert pulled.external == usage["prompt_tokens"] and pulled.local == 0, pulled
+    plain = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+    assert reply.text == post(pd.prefill.url, path, plain).text
