@@ -51,27 +51,37 @@ def sse_payloads(text: str) -> list[Any]:
     return out
 
 
-def _compatible(a: Any, b: Any) -> bool:
-    """Equal shapes, where an empty list matches any list (a token can have no bytes)."""
+def _foldable(a: Any, b: Any) -> bool:
+    """Two chunks of one run: same keys, where an empty list matches any list (a token can
+    have no bytes) and null matches any scalar (a finish_reason is set only at the end)."""
     if isinstance(a, list) and isinstance(b, list):
-        return not a or not b or _compatible(a[0], b[0])
+        return not a or not b or _foldable(a[0], b[0])
     if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_compatible(a[k], b[k]) for k in a)
+        return a.keys() == b.keys() and all(_foldable(a[k], b[k]) for k in a)
+    if isinstance(a, str) and isinstance(b, str):
+        return a == b or "null" in (a, b)
     return a == b
 
 
-def _richer(a: Any, b: Any) -> Any:
-    return a if len(json.dumps(a)) >= len(json.dumps(b)) else b
+def _merge(a: Any, b: Any) -> Any:
+    """The run's shape: the non-null and non-empty parts of both."""
+    if isinstance(a, list) and isinstance(b, list):
+        return [_merge(a[0], b[0])] if a and b else (a or b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return {k: _merge(a[k], b[k]) for k in a}
+    return b if a == "null" else a
 
 
 def body_shape(body: str, content_type: str) -> Any:
-    """A JSON body's shape, or a stream's chunk shapes with runs of like chunks folded."""
+    """A JSON body's shape, or a stream's chunk shapes with runs of like chunks folded into
+    one: vLLM puts several tokens in one chunk when its client lags, so how many chunks carry
+    the text is timing, not shape."""
     if content_type.startswith("text/event-stream"):
         folded: list[Any] = []
         for payload in sse_payloads(body):
             item = payload if payload == "[DONE]" else shape(payload)
-            if folded and _compatible(folded[-1], item):
-                folded[-1] = _richer(folded[-1], item)
+            if folded and _foldable(folded[-1], item):
+                folded[-1] = _merge(folded[-1], item)
             else:
                 folded.append(item)
         return folded
