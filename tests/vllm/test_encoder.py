@@ -19,6 +19,8 @@ from epd_flask.sim import SimConfig, SimServer
 from tests.sim.wireshape import body_shape
 from tests.vllm.checks import post
 
+pytestmark = pytest.mark.vllm
+
 EMBEDDING_LOADED = "Success load encoder cache for hash {}"
 REQUESTS_DONE = "vllm:request_success_total"
 SIDE = 28  # the tiny CLIP tower's input size

@@ -9,6 +9,8 @@ import pytest
 
 from tests.vllm.checks import chat_body, completion_body, kv_delta, post, unique_prompt
 
+pytestmark = pytest.mark.vllm
+
 CACHE_HIT_LINE = "External Cache Hit!"
 
 

@@ -17,6 +17,8 @@ import requests
 from epd_flask.connectors import CONNECTORS
 from tests.vllm.checks import chat_body, completion_body, kv_delta, post, unique_prompt
 
+pytestmark = pytest.mark.vllm
+
 
 @pytest.fixture(scope="module")
 def pd(fleet):

@@ -15,6 +15,8 @@ from tests.vllm.checks import (
     unique_prompt,
 )
 
+pytestmark = pytest.mark.vllm
+
 NIXL_TRANSFERS = "vllm:nixl_xfer_time_seconds_count"
 NIXL_BYTES = "vllm:nixl_bytes_transferred_sum"
 

@@ -10,6 +10,8 @@ import pytest
 
 from tests.vllm.checks import call, completion_body, post, unique_prompt
 
+pytestmark = pytest.mark.vllm
+
 
 @pytest.fixture(scope="module")
 def pd(fleet):

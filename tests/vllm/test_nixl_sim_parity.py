@@ -15,6 +15,8 @@ from tests.sim.wireshape import body_shape, error_text
 from tests.vllm.checks import Reply, call, chat_body, completion_body, post, unique_prompt
 from tests.vllm.fleet import MODEL_NAME
 
+pytestmark = pytest.mark.vllm
+
 JSON = {"content-type": "application/json"}
 NIXL_PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False,
                        "remote_engine_id": None, "remote_block_ids": None,
