@@ -81,12 +81,11 @@ class RequestContext:
         """Record a stage's duration in milliseconds."""
         self.timings[name] = round((time.monotonic() - since) * 1000.0, 3)
 
-    def relayed(self, nbytes: int, event: bool = True) -> None:
-        """Bytes (one SSE event, or a raw piece) went to the client; the first one is timed."""
+    def relayed(self, nbytes: int, events: int = 1) -> None:
+        """Bytes (whole SSE events, or a raw piece) went to the client; the first are timed."""
         if FIRST_BYTE not in self.timings:
             self.mark(FIRST_BYTE, self.started)
-        if event:
-            self.chunks += 1
+        self.chunks += events
         self.bytes_out += nbytes
 
     def retry(self, err: ProxyError) -> None:

@@ -17,8 +17,6 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-import requests
-
 from epd_flask import jsoncodec, legs, relay, usage
 from epd_flask.connectors import Connector, Leg, Route
 from epd_flask.context import RequestContext
@@ -37,7 +35,7 @@ from epd_flask.legs import Call
 from epd_flask.registry import Registry
 from epd_flask.roster import Instance, Roster
 from epd_flask.routing import Router
-from epd_flask.transport import Transport, encode_json
+from epd_flask.transport import Transport, Upstream, encode_json
 
 logger = logging.getLogger(__name__)
 
@@ -229,7 +227,7 @@ class Pipeline:
             raise
 
     def _open_first_byte(self, target: Instance, path: str, leg: Leg,
-                         ctx: RequestContext) -> tuple[requests.Response, Iterator[bytes]]:
+                         ctx: RequestContext) -> tuple[Upstream, Iterator[bytes]]:
         """Open decode and read its first body bytes: in Mooncake they prove the KV arrived."""
         ctx.instances["decode"] = target.url
         started = time.monotonic()
@@ -266,7 +264,7 @@ class Pipeline:
         return self._reply(resp, ctx, stream=bool(leg.body.get("stream")),
                            cached_tokens=cached_tokens)
 
-    def _reply(self, resp: requests.Response, ctx: RequestContext, stream: bool, *,
+    def _reply(self, resp: Upstream, ctx: RequestContext, stream: bool, *,
                cached_tokens: int = 0, chunks: Iterator[bytes] | None = None,
                side: Call[Any] | None = None) -> Reply:
         """The client's reply from decode's response; ``chunks`` continues a body already
@@ -306,7 +304,7 @@ class Pipeline:
 
     def _post(self, target: Instance, stage: str, path: str, leg: Leg,
               ctx: RequestContext, read_timeout: float,
-              chunk_timeout: float | None = None) -> requests.Response:
+              chunk_timeout: float | None = None) -> Upstream:
         headers = dict(ctx.upstream_headers)
         headers.update(leg.headers)
         headers["Content-Type"] = "application/json"
@@ -316,7 +314,7 @@ class Pipeline:
 
     def _send(self, target: Instance, stage: str, method: str, url: str,
               ctx: RequestContext, *, headers: dict[str, str], body: bytes | None,
-              read_timeout: float, chunk_timeout: float | None = None) -> requests.Response:
+              read_timeout: float, chunk_timeout: float | None = None) -> Upstream:
         ctx.leg_open(stage, target.role, target.url)
         try:
             return self.transport.send(method, url, stage=stage, headers=headers, body=body,
@@ -329,7 +327,7 @@ class Pipeline:
                 ctx.failed.add(target.url)
             raise
 
-    def _check(self, resp: requests.Response, target: Instance, stage: str,
+    def _check(self, resp: Upstream, target: Instance, stage: str,
                ctx: RequestContext) -> None:
         try:
             self.transport.raise_for_status(resp, stage)

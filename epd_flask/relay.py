@@ -1,11 +1,12 @@
 """Decode's answer to the client: bytes as they arrive, and an in-band error if it dies.
 
 Once the status line is out, a failure can only be told inside the stream. For SSE the relay
-forwards whole events (cheap: vLLM writes one event per chunk) so an error event never lands
-in the middle of a half-relayed one. The upstream response is closed on every exit, including
-the client going away (the WSGI server closes this generator), which is what frees the slot on
-the instance. A leg still running beside decode (Mooncake's prefill) is ended here too: given
-a moment to finish when decode completed, killed at once when the stream ended any other way.
+forwards whole events, all that one read brought in one write (never waiting for more), so an
+error event never lands in the middle of a half-relayed one. The upstream response is closed
+on every exit, including the client going away (the WSGI server closes this generator), which
+is what frees the slot on the instance. A leg still running beside decode (Mooncake's
+prefill) is ended here too: given a moment to finish when decode completed, killed at once
+when the stream ended any other way.
 """
 
 from __future__ import annotations
@@ -14,13 +15,11 @@ import logging
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-import requests
-
 from epd_flask import errors
 from epd_flask.context import RequestContext
 from epd_flask.errors import ProxyError
 from epd_flask.legs import Call
-from epd_flask.transport import Transport
+from epd_flask.transport import Transport, Upstream
 from epd_flask.usage import USAGE_KEY
 
 logger = logging.getLogger(__name__)
@@ -40,7 +39,7 @@ class Relayed:
     when the response ends or the client leaves) releases the upstream even if the generator
     never started: a generator that was never run skips its own ``finally``."""
 
-    def __init__(self, body: Iterator[bytes], resp: requests.Response, ctx: RequestContext,
+    def __init__(self, body: Iterator[bytes], resp: Upstream, ctx: RequestContext,
                  side: Call[Any] | None) -> None:
         self._body = body
         self._resp = resp
@@ -60,7 +59,7 @@ class Relayed:
             self._ctx.finish(error="client disconnected")
 
 
-def sse(transport: Transport, resp: requests.Response, ctx: RequestContext,
+def sse(transport: Transport, resp: Upstream, ctx: RequestContext,
         stage: str = "decode", *, chunks: Iterable[bytes] | None = None,
         rewrite: Callable[[bytes], bytes] | None = None,
         side: Call[Any] | None = None) -> Relayed:
@@ -70,7 +69,7 @@ def sse(transport: Transport, resp: requests.Response, ctx: RequestContext,
     return Relayed(_sse(transport, resp, ctx, stage, chunks, rewrite, side), resp, ctx, side)
 
 
-def raw(transport: Transport, resp: requests.Response, ctx: RequestContext,
+def raw(transport: Transport, resp: Upstream, ctx: RequestContext,
         stage: str = "decode", *, chunks: Iterable[bytes] | None = None,
         side: Call[Any] | None = None) -> Relayed:
     """Any other body (pass-through), forwarded unframed.
@@ -81,7 +80,7 @@ def raw(transport: Transport, resp: requests.Response, ctx: RequestContext,
     return Relayed(_raw(transport, resp, ctx, stage, chunks, side), resp, ctx, side)
 
 
-def _sse(transport: Transport, resp: requests.Response, ctx: RequestContext, stage: str,
+def _sse(transport: Transport, resp: Upstream, ctx: RequestContext, stage: str,
          chunks: Iterable[bytes] | None, rewrite: Callable[[bytes], bytes] | None,
          side: Call[Any] | None) -> Iterator[bytes]:
     held = b""
@@ -100,10 +99,10 @@ def _sse(transport: Transport, resp: requests.Response, ctx: RequestContext, sta
                 chunk = chunk[:cut + 2]
             if rewrite is not None and USAGE_KEY in chunk:
                 chunk = rewrite(chunk)
-            ctx.relayed(len(chunk))
+            ctx.relayed(len(chunk), chunk.count(EVENT_END))
             yield chunk
         if held:
-            ctx.relayed(len(held), event=False)
+            ctx.relayed(len(held), 0)
             yield held
         completed = True
         ctx.finish()
@@ -119,12 +118,12 @@ def _sse(transport: Transport, resp: requests.Response, ctx: RequestContext, sta
         end_side_leg(side, completed)
 
 
-def _raw(transport: Transport, resp: requests.Response, ctx: RequestContext, stage: str,
+def _raw(transport: Transport, resp: Upstream, ctx: RequestContext, stage: str,
          chunks: Iterable[bytes] | None, side: Call[Any] | None) -> Iterator[bytes]:
     completed = False
     try:
         for chunk in transport.iter_raw(resp, stage) if chunks is None else chunks:
-            ctx.relayed(len(chunk), event=False)
+            ctx.relayed(len(chunk), 0)
             yield chunk
         completed = True
         ctx.finish()

@@ -1,51 +1,243 @@
-"""The transport's mapping of failures to the error taxonomy (a fake transport is honest here:
-these are the library's exceptions, raised exactly as requests raises them)."""
+"""The transport's mapping of failures to the error taxonomy, against small fake servers on
+loopback that misbehave in exactly one way each (refuse, never accept, never answer, answer an
+error, answer garbage, cut a body short), and the chunked decoder the relay reads through."""
 
 from __future__ import annotations
 
+import socket
+from collections.abc import Callable, Iterator
+
+import gevent
 import pytest
-import requests
-import responses
+from urllib3.exceptions import ProtocolError
 
 from epd_flask import errors
+from epd_flask.chunked import Decoder
 from epd_flask.transport import Transport
+from tests.helpers import free_port
 
-URL = "http://10.255.255.1:9/v1/completions"  # never contacted: `responses` intercepts
-
-
-@responses.activate
-@pytest.mark.parametrize(("exc", "kind", "status"), [
-    (requests.ConnectionError("refused"), errors.BackendUnavailable, 503),
-    (requests.ConnectTimeout("slow"), errors.BackendUnavailable, 503),
-    (requests.ReadTimeout("slow"), errors.BackendTimeout, 504),
-    (requests.TooManyRedirects("loop"), errors.BackendError, 502),
-])
-def test_failures_map_to_taxonomy(exc: Exception, kind: type, status: int) -> None:
-    responses.add(responses.POST, URL, body=exc)
-    with pytest.raises(kind) as info:
-        Transport().send("POST", URL, stage="decode", headers={}, body=b"{}", read_timeout=1)
-    assert info.value.status == status
-    assert info.value.stage == "decode"
-    assert "decode instance http://10.255.255.1:9" in info.value.message
+Handler = Callable[[socket.socket], None]
 
 
-@responses.activate
-def test_error_status_keeps_the_upstream_body() -> None:
+@pytest.fixture
+def server() -> Iterator[Callable[[Handler], str]]:
+    """``server(handler)``: a listener on 127.0.0.1 whose every connection runs ``handler``."""
+    listeners: list[socket.socket] = []
+    greenlets: list[gevent.Greenlet] = []
+
+    def serve(listener: socket.socket, handler: Handler) -> None:
+        while True:
+            conn, _ = listener.accept()
+            greenlets.append(gevent.spawn(_run, handler, conn))
+
+    def start(handler: Handler) -> str:
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        listeners.append(listener)
+        greenlets.append(gevent.spawn(serve, listener, handler))
+        return f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+    yield start
+    gevent.killall(greenlets, timeout=1)
+    for listener in listeners:
+        listener.close()
+
+
+def _run(handler: Handler, conn: socket.socket) -> None:
+    try:
+        handler(conn)
+    finally:
+        conn.close()
+
+
+def _read_request(conn: socket.socket) -> bytes:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        part = conn.recv(65536)
+        if not part:
+            break
+        data += part
+    return data
+
+
+def answer(raw: bytes, then_wait: float = 0.0) -> Handler:
+    def handle(conn: socket.socket) -> None:
+        _read_request(conn)
+        conn.sendall(raw)
+        gevent.sleep(then_wait)
+    return handle
+
+
+def silent(conn: socket.socket) -> None:
+    _read_request(conn)
+    gevent.sleep(5)
+
+
+def send(transport: Transport, url: str, read_timeout: float = 2.0, **kw):
+    return transport.send("POST", url + "/v1/completions", stage="decode", headers={},
+                          body=b"{}", read_timeout=read_timeout, **kw)
+
+
+def test_a_refused_connection_is_unavailable() -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(errors.BackendUnavailable) as info:
+        send(Transport(), url)
+    assert info.value.status == 503 and info.value.stage == "decode"
+    assert f"decode instance {url} is unreachable" in info.value.message
+
+
+def test_a_listener_that_never_accepts_is_a_connect_timeout() -> None:
+    """A full accept backlog drops SYNs: the connect itself times out (not the answer)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fillers = []
+    try:
+        for _ in range(8):  # bounded: Linux's backlog of 0 holds one or two
+            s = socket.socket()
+            s.settimeout(0.2)
+            fillers.append(s)
+            try:
+                s.connect(("127.0.0.1", port))
+            except TimeoutError:
+                break
+        else:
+            pytest.skip("the kernel kept accepting into the backlog")
+        with pytest.raises(errors.BackendUnavailable) as info:
+            send(Transport(connect_timeout=0.2), f"http://127.0.0.1:{port}")
+        assert "did not accept a connection within 0.2 s" in info.value.message
+    finally:
+        for s in fillers:
+            s.close()
+        listener.close()
+
+
+def test_no_answer_within_the_read_timeout_names_the_stage(server) -> None:
+    url = server(silent)
+    with pytest.raises(errors.BackendTimeout) as info:
+        send(Transport(), url, read_timeout=0.2)
+    assert info.value.status == 504
+    assert "did not answer within 0.2 s (decode timeout)" in info.value.message
+
+
+def test_a_reply_that_is_not_http_is_unavailable(server) -> None:
+    url = server(answer(b"SSH-2.0-OpenSSH_9.6\r\n"))
+    with pytest.raises(errors.BackendUnavailable) as info:
+        send(Transport(), url)
+    assert info.value.retryable
+
+
+def test_error_status_keeps_the_upstream_body(server) -> None:
     body = b'{"error":{"message":"bad","type":"BadRequestError","param":null,"code":400}}'
-    responses.add(responses.POST, URL, body=body, status=400, content_type="application/json")
+    url = server(answer(b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)))
     transport = Transport()
-    resp = transport.send("POST", URL, stage="prefill", headers={}, body=b"{}", read_timeout=1)
+    resp = send(transport, url)
     with pytest.raises(errors.BackendStatus) as info:
         transport.raise_for_status(resp, "prefill")
     assert info.value.status == 400 and info.value.body == body
     assert not info.value.retryable
 
 
-@responses.activate
-def test_retryable_only_for_server_errors() -> None:
-    responses.add(responses.POST, URL, body=b"boom", status=503)
+def test_retryable_only_for_server_errors(server) -> None:
+    url = server(answer(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 4\r\n\r\nboom"))
     transport = Transport()
-    resp = transport.send("POST", URL, stage="decode", headers={}, body=b"{}", read_timeout=1)
+    resp = send(transport, url)
     with pytest.raises(errors.BackendStatus) as info:
         transport.raise_for_status(resp, "decode")
-    assert info.value.retryable and info.value.status == 503
+    assert info.value.retryable and info.value.status == 503 and info.value.body == b"boom"
+
+
+@pytest.mark.parametrize("raw", [
+    b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly this much",
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n",
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nhello\r\n0\r\n\r\n",
+], ids=["short content-length", "no last chunk", "bad chunk size"])
+def test_a_body_cut_short_is_an_interrupted_stream(server, raw: bytes) -> None:
+    url = server(answer(raw))
+    transport = Transport()
+    resp = send(transport, url)
+    with pytest.raises(errors.StreamInterrupted) as info:
+        transport.read_body(resp, "decode")
+    assert "closed the connection mid-response" in info.value.message
+
+
+def test_a_gap_between_chunks_past_the_chunk_timeout_names_it(server) -> None:
+    url = server(answer(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                        b"5\r\nhello\r\n", then_wait=2))
+    transport = Transport()
+    resp = send(transport, url, chunk_timeout=0.2)
+    pieces = transport.iter_raw(resp, "decode")
+    assert next(pieces) == b"hello"
+    with pytest.raises(errors.BackendTimeout) as info:
+        next(pieces)
+    assert "sent nothing for 0.2 s between chunks (decode chunk timeout)" in info.value.message
+    resp.close()
+
+
+def test_a_complete_body_gives_its_connection_back_and_an_abandoned_one_closes_it(
+        server) -> None:
+    connections: list[socket.socket] = []
+    closed_by_us = []
+
+    def handle(conn: socket.socket) -> None:
+        connections.append(conn)
+        while request := _read_request(conn):
+            if b"/slow " in request:
+                conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                             b"3\r\none\r\n")
+                closed_by_us.append(conn.recv(1) == b"")
+                return
+            conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                         b"3\r\none\r\n3\r\ntwo\r\n0\r\n\r\n")
+
+    url = server(handle)
+    transport = Transport()
+    for _ in range(3):
+        assert transport.read_body(send(transport, url), "decode") == b"onetwo"
+    assert len(connections) == 1
+    resp = transport.send("POST", url + "/slow", stage="decode", headers={}, body=b"{}",
+                          read_timeout=2)
+    assert next(transport.iter_raw(resp, "decode")) == b"one"
+    resp.close()  # the instance is still writing: its connection must end
+    assert transport.read_body(send(transport, url), "decode") == b"onetwo"
+    assert len(connections) == 2 and closed_by_us == [True]
+    transport.close()
+
+
+# -- the chunked decoder --------------------------------------------------------------------
+
+EVENTS = [b'data: {"token": "caf\xc3\xa9"}\n\n', b"data: [DONE]\n\n"]
+BODY = (b"%x\r\n%s\r\n" % (len(EVENTS[0]), EVENTS[0])
+        + b"%x;ext=1\r\n%s\r\n" % (len(EVENTS[1]), EVENTS[1])
+        + b"0\r\nX-Trailer: yes\r\n\r\n")
+
+
+def test_everything_that_arrived_together_comes_out_at_once() -> None:
+    d = Decoder()
+    assert d.feed(BODY) == b"".join(EVENTS)
+    assert d.done
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 7])
+def test_framing_split_anywhere_decodes_the_same(size: int) -> None:
+    d = Decoder()
+    out = b"".join(d.feed(BODY[i:i + size]) for i in range(0, len(BODY), size))
+    assert out == b"".join(EVENTS)
+    assert d.done
+
+
+def test_a_chunk_is_forwarded_before_its_end_arrives() -> None:
+    d = Decoder()
+    assert d.feed(b"a\r\nhello") == b"hello"
+    assert d.feed(b"world\r\n") == b"world"
+    assert not d.done
+
+
+@pytest.mark.parametrize("bad", [b"x\r\n", b"-1\r\n", b"0x5\r\nhello\r\n",
+                                 b"5\r\nhelloXX", b"5" * 5000])
+def test_malformed_framing_is_refused(bad: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        Decoder().feed(bad)
