@@ -15,6 +15,8 @@ with open(_path, encoding="utf-8") as _f:
     exec(compile(_f.read(), _path, "exec"))
 
 _serve_post_worker_init = post_worker_init  # noqa: F821 (defined by the exec above)
+# To compare gunicorn's worker classes (gevent, gevent_pywsgi) on the same workloads.
+worker_class = os.environ.get("EPD_BENCH_WORKER_CLASS", worker_class)  # noqa: F821
 STALL_LOG_MS = 2.0
 
 

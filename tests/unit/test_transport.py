@@ -241,3 +241,25 @@ def test_a_chunk_is_forwarded_before_its_end_arrives() -> None:
 def test_malformed_framing_is_refused(bad: bytes) -> None:
     with pytest.raises(ProtocolError):
         Decoder().feed(bad)
+
+
+def test_a_large_body_arrives_whole(server) -> None:
+    """Sent in slices with the loop handed back between them; the instance sees one body."""
+    received = []
+
+    def handle(conn: socket.socket) -> None:
+        head = _read_request(conn)
+        header, _, body = head.partition(b"\r\n\r\n")
+        length = int(header.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+        while len(body) < length:
+            body += conn.recv(1 << 20)
+        received.append(body)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+
+    url = server(handle)
+    body = bytes(range(256)) * (3 << 12)  # 3 MB
+    transport = Transport()
+    resp = transport.send("POST", url + "/v1/completions", stage="decode", headers={},
+                          body=body, read_timeout=5)
+    assert transport.read_body(resp, "decode") == b"ok"
+    assert received == [body]
