@@ -48,11 +48,10 @@ def test_models_list_is_vllms(pd):
     pytest.param("/v1/chat/completions",
                  {"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]},
                  id="chat-unknown-model"),
-    pytest.param("/v1/completions", {"model": "tiny-llama", "max_tokens": 2},
-                 id="missing-prompt"),
     pytest.param("/v1/completions", completion_body("hello", max_tokens=100000),
                  id="max-tokens-too-large"),
-    pytest.param("/v1/completions", completion_body("hi", max_tokens="ten"), id="wrong-type"),
+    pytest.param("/v1/completions", completion_body("hi", max_tokens=2, temperature=-1),
+                 id="bad-temperature"),
 ])
 def test_backend_errors_pass_through_verbatim(pd, path, body):
     direct = post(pd.decode.url, path, body)
@@ -68,10 +67,17 @@ def test_backend_errors_pass_through_verbatim(pd, path, body):
                  id="chat-bad-json"),
     pytest.param("/v1/completions", b'[{"model": "tiny-llama", "prompt": "hi"}]',
                  id="json-array"),
+    pytest.param("/v1/completions", b'{"model": "tiny-llama", "max_tokens": 2}',
+                 id="missing-prompt"),
+    pytest.param("/v1/chat/completions", b'{"model": "tiny-llama", "max_tokens": 2}',
+                 id="missing-messages"),
+    pytest.param("/v1/completions", b'{"model": "tiny-llama", "prompt": "hi", "max_tokens": "ten"}',
+                 id="wrong-type"),
 ])
-def test_proxy_refuses_bad_json_like_vllm(pd, path, raw):
-    """The proxy must read the body to route it, so it answers these itself: same status and
-    error shape as vLLM (the wording is the proxy's), and no backend is bothered."""
+def test_proxy_refuses_bad_input_like_vllm(pd, path, raw):
+    """What the proxy must read to route (the JSON itself, prompt, messages, token counts)
+    it checks itself (epd_flask/validation.py): same status and error shape as vLLM (the
+    wording is the proxy's), and no backend is bothered."""
     headers = {"content-type": "application/json"}
     direct = call("POST", pd.decode.url + path, raw=raw, headers=headers)
     before = pd.prefill.metrics().get("vllm:request_success_total", 0)
