@@ -104,7 +104,7 @@ def build_services(config: ProxyConfig, roster: Roster, generation: int = 0) -> 
                   prober.probe_now)
     inflight = InFlight(config.max_in_flight)
     return Services(config, registry, router, transport, pipeline, prober, fleet,
-                    inflight, Drain(inflight), discovery,
+                    inflight, Drain(inflight, config.drain_idle_grace), discovery,
                     keys=KeyRing(config.api_keys),
                     url_policy=URLPolicy.build(config.instance_schemes,
                                                config.instance_networks),

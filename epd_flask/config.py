@@ -28,6 +28,11 @@ DEFAULT_WORKER_CONNECTIONS = 1000
 #: worker at its cap still accepts connections to refuse quickly and to answer probes.
 IN_FLIGHT_SHARE = 0.9
 
+#: Seconds a kept-alive client connection must have been idle before a stopping worker closes
+#: it. Closing one the client is just reusing loses that request ("closed without response"),
+#: so connections that were busy a moment ago are left to gunicorn, which answers what arrives
+#: on them with ``Connection: close``.
+DEFAULT_DRAIN_IDLE_GRACE = 2.0
 
 @dataclass(frozen=True)
 class ProxyConfig:
@@ -35,6 +40,8 @@ class ProxyConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     pool_maxsize: int = DEFAULT_POOL_MAXSIZE
     max_in_flight: int = int(DEFAULT_WORKER_CONNECTIONS * IN_FLIGHT_SHARE)
+    # A stopping worker closes a kept-alive client connection once it has been idle this long.
+    drain_idle_grace: float = DEFAULT_DRAIN_IDLE_GRACE
     admin_api_key: str | None = None
     # Sent as "Authorization: Bearer <key>" to prefill and decode instead of the client's own
     # header. An environment variable, not a roster key: the roster is rewritten by the admin
@@ -83,6 +90,7 @@ class ProxyConfig:
             pool_maxsize=_int(env, "EPD_POOL_MAXSIZE", DEFAULT_POOL_MAXSIZE),
             max_in_flight=_int(env, "EPD_MAX_IN_FLIGHT", max(1, int(_int(
                 env, "EPD_WORKER_CONNECTIONS", DEFAULT_WORKER_CONNECTIONS) * IN_FLIGHT_SHARE))),
+            drain_idle_grace=_float(env, "EPD_DRAIN_IDLE_GRACE", DEFAULT_DRAIN_IDLE_GRACE),
             admin_api_key=env.get("ADMIN_API_KEY") or None,
             backend_api_key=env.get("EPD_BACKEND_API_KEY") or None,
             upstream_idle_timeout=_float(env, "EPD_UPSTREAM_IDLE_TIMEOUT",

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import time
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -53,8 +54,10 @@ class InFlight:
         self.rejected = 0
         self.draining = False
         self._active: dict[object, tuple[gevent.Greenlet, Any]] = {}
-        # Client connections seen, so a drain can end idle keep-alive ones (see begin_drain).
-        self._connections: weakref.WeakSet[Any] = weakref.WeakSet()
+        # Client connections seen and when each last finished a request, so a drain can end
+        # the ones left idle (see end_idle).
+        self._idle_since: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
+        self._ended: weakref.WeakSet[Any] = weakref.WeakSet()
         bus.load(0, limit)
 
     @property
@@ -77,10 +80,9 @@ class InFlight:
         return None
 
     def seen(self, connection: Any) -> None:
+        """A request arrived on ``connection``; exempt routes count as done at once."""
         if connection is not None:
-            self._connections.add(connection)
-            if self.draining:
-                _end_reads(connection)  # a probe on a kept-alive connection: its last answer
+            self._idle_since[connection] = time.monotonic()
 
     def enter(self, connection: Any = None) -> object:
         token = object()
@@ -94,23 +96,34 @@ class InFlight:
     def leave(self, token: object) -> None:
         _, connection = self._active.pop(token, (None, None))
         bus.load(len(self._active), self.limit)
-        if self.draining and connection is not None:
-            _end_reads(connection)
+        if connection is not None:
+            self._idle_since[connection] = time.monotonic()
 
     def begin_drain(self) -> None:
-        """Refuse new requests from now on, and let keep-alive connections end.
-
-        gunicorn decides whether a connection stays open when a request *starts*, so streams
-        admitted before the stop would leave their connections waiting for a next request
-        (up to ``keepalive`` seconds), and the worker could not exit before the master's
-        SIGKILL. Shutting the read side makes that wait end at once with EOF, after the
-        response was written: idle connections now, busy ones when their response ends.
-        """
         self.draining = True
+
+    def end_idle(self, grace: float) -> int:
+        """End kept-alive connections idle for ``grace`` seconds; returns how many idle ones
+        are still open (ended or not), so the drain knows when only its own wait is left.
+
+        gunicorn decides whether a connection stays open when a request *starts*, so
+        connections of requests admitted before the stop wait for a next request (up to
+        ``keepalive`` seconds) and the worker could not exit before the master's SIGKILL.
+        Shutting the read side ends that wait with EOF. Only connections idle for a while are
+        ended: a client reusing a connection that was busy a moment ago gets its request
+        served (gunicorn marks that answer ``Connection: close``) instead of lost.
+        """
+        now = time.monotonic()
         busy = {id(c) for _, c in self._active.values() if c is not None}
-        for connection in list(self._connections):
-            if id(connection) not in busy:
+        still_open = 0
+        for connection, since in list(self._idle_since.items()):
+            if id(connection) in busy or _closed(connection):
+                continue
+            still_open += 1
+            if connection not in self._ended and now - since >= grace:
+                self._ended.add(connection)
                 _end_reads(connection)
+        return still_open
 
     def greenlets(self) -> list[gevent.Greenlet]:
         return [g for g, _ in self._active.values()]
@@ -163,6 +176,13 @@ def _connection(environ: dict[str, Any]) -> Any:
         if key in environ:
             return environ[key]
     return None
+
+
+def _closed(connection: Any) -> bool:
+    try:
+        return connection.fileno() < 0
+    except (OSError, AttributeError, ValueError):
+        return True
 
 
 def _end_reads(connection: Any) -> None:

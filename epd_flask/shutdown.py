@@ -43,8 +43,9 @@ def end_after(graceful_timeout: float) -> float:
 
 
 class Drain:
-    def __init__(self, inflight: InFlight) -> None:
+    def __init__(self, inflight: InFlight, idle_grace: float = 2.0) -> None:
         self.inflight = inflight
+        self.idle_grace = idle_grace
         self._watcher: gevent.Greenlet | None = None
         self.ended = 0
 
@@ -72,7 +73,10 @@ class Drain:
         logger.info("worker stopping: %d request(s) in flight get up to %.1f s to finish",
                     inflight.count, grace)
         deadline = started + grace
-        while inflight.count and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            idle = inflight.end_idle(self.idle_grace)
+            if not inflight.count and not idle:
+                break
             gevent.sleep(DRAIN_POLL)
         running = inflight.greenlets()
         for greenlet in running:
@@ -82,13 +86,14 @@ class Drain:
         self.ended += len(running)
         if running:
             bus.ended_by_shutdown(len(running))
-        if running:
             logger.warning("worker stopping: ended %d request(s) still running after %.1f s",
                            len(running), time.monotonic() - started)
-            written = time.monotonic() + END_GRACE_SECONDS
-            while inflight.count and time.monotonic() < written:
-                gevent.sleep(DRAIN_POLL)
         else:
             logger.info("worker stopping: every request finished in %.1f s",
                         time.monotonic() - started)
+        # Ended requests write their last bytes, then every connection left is closed at once
+        # so the worker exits by itself before the master's SIGKILL.
+        written = time.monotonic() + END_GRACE_SECONDS
+        while (inflight.end_idle(0.0) or inflight.count) and time.monotonic() < written:
+            gevent.sleep(DRAIN_POLL)
         return len(running)
