@@ -39,3 +39,62 @@ def test_lone_surrogates_are_written_escaped_not_as_invalid_utf8() -> None:
     out = jsoncodec.dumps({"p": "\ud800x"})
     assert out == b'{"p":"\\ud800x"}'
     out.decode("utf-8")
+
+
+LONG = "A" * jsoncodec.SHARED_STRING_CHARS
+
+
+def _big_doc(extra: str) -> bytes:
+    return ('{"messages": [{"content": [{"type": "image_url", "image_url": {"url": "data:,'
+            + LONG + '"}}]}]' + extra + '}').encode("utf-8")
+
+
+@pytest.mark.parametrize("extra", [
+    "",
+    ', "seed": 123456789012345678901234567890',
+    ', "t": NaN, "p": -Infinity',
+    ', "prompt": "caf\u00e9 \\ud800 lone"',
+    ', "list": ["' + LONG + '", 0.5, true, null]',
+])
+def test_long_strings_are_written_as_json_would_whatever_else_the_body_holds(
+        extra: str) -> None:
+    raw = _big_doc(extra)
+    doc = jsoncodec.loads(raw)
+    first, again = jsoncodec.dumps(doc), jsoncodec.dumps(doc)
+    assert first == again
+    assert first == json.dumps(json.loads(raw), ensure_ascii="ud800" in extra,
+                               separators=(",", ":")).encode("utf-8")
+
+
+def test_a_long_string_is_encoded_once_and_reused_by_every_leg() -> None:
+    doc = jsoncodec.loads(_big_doc(""))
+    url = doc["messages"][0]["content"][0]["image_url"]["url"]
+    assert isinstance(url, jsoncodec.EncodedStr) and url == "data:," + LONG
+    jsoncodec.dumps(doc)
+    cached = url.json_bytes()
+    leg = {"model": "m", "max_tokens": 1, "messages": doc["messages"]}
+    out = jsoncodec.dumps(leg)
+    assert url.json_bytes() is cached
+    assert json.loads(out)["messages"] == json.loads(_big_doc(""))["messages"]
+
+
+def test_a_long_string_with_a_lone_surrogate_goes_on_escaped() -> None:
+    raw = _big_doc("").replace(b'"data:,', b'"\\udc80data:,')
+    out = jsoncodec.dumps(jsoncodec.loads(raw))
+    out.decode("utf-8")
+    assert json.loads(out) == json.loads(raw)
+
+
+def test_other_subclasses_of_builtin_types_are_written_as_their_base() -> None:
+    class Tag(str):
+        pass
+
+    class Count(int):
+        pass
+
+    assert jsoncodec.dumps({"a": Tag("x"), "n": Count(3), "b": True, "l": [Tag("y")]}) == \
+        b'{"a":"x","n":3,"b":true,"l":["y"]}'
+
+
+def test_small_bodies_hold_plain_strings() -> None:
+    assert type(jsoncodec.loads(b'{"p": "short"}')["p"]) is str
