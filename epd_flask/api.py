@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from typing import Any
 
 from flask import Blueprint, Response, current_app, request
@@ -99,17 +101,25 @@ def _respond(reply: Reply) -> Response:
                     direct_passthrough=True)
 
 
-def _fail(err: ProxyError, ctx: RequestContext) -> ProxyError:
-    ctx.finish(status=err.status, error=err.message)
-    err.request_id = ctx.request_id
-    return err
+@contextlib.contextmanager
+def _accounted(ctx: RequestContext) -> Iterator[None]:
+    """Whatever refuses the request, its log line and request id are written once."""
+    try:
+        yield
+    except ProxyError as err:
+        ctx.finish(status=err.status, error=err.message)
+        err.request_id = ctx.request_id
+        raise
+    except HTTPException as exc:  # werkzeug's own refusals (413 ...) are requests too
+        ctx.finish(status=exc.code, error=exc.description or exc.name)
+        raise
 
 
 @bp.post("/v1/chat/completions")
 @bp.post("/v1/completions")
 def completions() -> Response:
     ctx = _context()
-    try:
+    with _accounted(ctx):
         _authorize()
         ctype = (request.mimetype or "").lower()
         if ctype not in JSON_TYPES:
@@ -121,11 +131,6 @@ def completions() -> Response:
         cooperate.after_step(len(raw))
         validation.check_completion(request.path, body)
         reply = _services().pipeline.completion(request.path, body, ctx)
-    except ProxyError as err:
-        raise _fail(err, ctx) from None
-    except HTTPException as exc:  # werkzeug's own refusals (413 ...) are requests too
-        ctx.finish(status=exc.code, error=exc.description or exc.name)
-        raise
     return _respond(reply)
 
 
@@ -159,7 +164,7 @@ def ready() -> Response:
 def passthrough(path: str) -> Response:
     """T2: everything else reaches a decode-side instance with its query string."""
     ctx = _context()
-    try:
+    with _accounted(ctx):
         _authorize()
         raw: bytes | None = None
         if request.method == "POST":
@@ -169,9 +174,4 @@ def passthrough(path: str) -> Response:
         reply = _services().pipeline.passthrough(
             request.method, request.path, request.query_string.decode("latin-1"), raw,
             request.headers.get("Content-Type"), ctx)
-    except ProxyError as err:
-        raise _fail(err, ctx) from None
-    except HTTPException as exc:  # werkzeug's own refusals (413 ...) are requests too
-        ctx.finish(status=exc.code, error=exc.description or exc.name)
-        raise
     return _respond(reply)
