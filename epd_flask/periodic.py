@@ -1,8 +1,9 @@
 """Background loops: a greenlet that runs one step at an interval and outlives a bad step.
 
 Every per-worker job that runs on its own rhythm (probes, bootstrap discovery, the roster and
-health sync, metrics samples) is one of these, so they all start, stop and survive errors the
-same way. Started by ``Services.start()`` in the worker, never by the app factory.
+health sync, metrics samples, the sweep of idle upstream connections) is one of these, so
+they all start, stop and survive errors the same way. Started by ``Services.start()`` in the
+worker, never by the app factory.
 """
 
 from __future__ import annotations

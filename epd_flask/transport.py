@@ -16,7 +16,6 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
-import gevent
 import urllib3
 from urllib3.exceptions import (
     ConnectTimeoutError,
@@ -36,6 +35,7 @@ from epd_flask.errors import (
     BackendUnavailable,
     StreamInterrupted,
 )
+from epd_flask.periodic import Periodic
 from epd_flask.pools import Lifecycle, RetiringHTTPConnectionPool, RetiringHTTPSConnectionPool
 from epd_flask.tls import TLSConfigError, TLSFiles, TrustStore
 
@@ -103,25 +103,16 @@ class Transport:
             # One connection per request, so a Kubernetes Service (which balances
             # connections, not requests) spreads requests over its pods.
             self.headers["Connection"] = "close"
-        self._sweeper: gevent.Greenlet | None = None
+        interval = min(MAX_SWEEP_INTERVAL, max(idle_timeout / 2, 0.05))
+        self._sweeper = Periodic("idle connection sweep", self.sweep, lambda: interval)
 
     def start(self) -> None:
         """Close idle connections past their time in the background (frees their sockets;
         correctness does not depend on it: a stale connection is never handed out)."""
-        if self._sweeper is None or self._sweeper.dead:
-            self._sweeper = gevent.spawn(self._sweep_forever)
+        self._sweeper.start()
 
     def sweep(self) -> int:
         return sum(pool.sweep() for pool in list(self._pools.values()))
-
-    def _sweep_forever(self) -> None:
-        interval = min(MAX_SWEEP_INTERVAL, max(self.lifecycle.idle_timeout / 2, 0.05))
-        while True:
-            gevent.sleep(interval)
-            try:
-                self.sweep()
-            except Exception:  # the loop must outlive any one bad round
-                logger.exception("idle connection sweep failed")
 
     def _pool(self, url: str) -> tuple[Any, str]:
         """The pool for ``url``'s instance and the request target (path and query)."""
@@ -293,9 +284,7 @@ class Transport:
             self._pools.popitem()[1].close()
 
     def close(self) -> None:
-        if self._sweeper is not None:
-            self._sweeper.kill(block=False)
-            self._sweeper = None
+        self._sweeper.stop()
         self._close_pools()
 
 
