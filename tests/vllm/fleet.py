@@ -25,6 +25,7 @@ import requests
 import yaml
 
 from tests.helpers import free_port
+from tests.vllm.reap import group_alive
 
 ROOT = Path(__file__).resolve().parents[2]
 HOME = Path(os.environ.get("EPD_VLLM_HOME", Path.home() / ".cache" / "epd-flask" / "vllm"))
@@ -102,16 +103,6 @@ class Process:
         if self.proc.poll() is None:
             self.proc.wait(5)
         self.pid_file.unlink(missing_ok=True)
-
-
-def group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def stop_group(pgid: int) -> None:

@@ -16,7 +16,7 @@ GRACE_SECONDS = 30.0
 POLL_SECONDS = 0.5
 
 
-def _alive(pgid: int) -> bool:
+def group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
@@ -35,14 +35,14 @@ def reap(run_dir: Path) -> list[str]:
             pid_file.unlink()
     stopped = []
     for pgid in groups:
-        if _alive(pgid):
+        if group_alive(pgid):
             os.killpg(pgid, signal.SIGTERM)
             stopped.append(f"{groups[pgid].stem} (group {pgid})")
     deadline = time.monotonic() + GRACE_SECONDS
-    while any(_alive(g) for g in groups) and time.monotonic() < deadline:
+    while any(group_alive(g) for g in groups) and time.monotonic() < deadline:
         time.sleep(POLL_SECONDS)
     for pgid, pid_file in groups.items():
-        if _alive(pgid):
+        if group_alive(pgid):
             os.killpg(pgid, signal.SIGKILL)
         pid_file.unlink(missing_ok=True)
     return stopped
