@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import requests
@@ -326,3 +327,15 @@ class Fleet:
             self.current.proxies.remove(proc)
             raise
         return proc
+
+    def proxied_pd(self, topology: str, connector: str) -> SimpleNamespace:
+        """A prefill/decode topology with epd-flask in front, no retries (a test must see a
+        failure as it happened): ``.prefill``, ``.decode`` and ``.proxy``."""
+        top = self.up(topology)
+        prefill, decode = top.by_role("prefill"), top.by_role("decode")
+        proxy = self.proxy({
+            "settings": {"connector": connector, "decode_retries": 0},
+            "instances": [{"role": "prefill", "url": prefill.url},
+                          {"role": "decode", "url": decode.url}],
+        })
+        return SimpleNamespace(prefill=prefill, decode=decode, proxy=proxy)

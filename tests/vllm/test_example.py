@@ -3,8 +3,6 @@ handles travel, the decode finds the prefill's KV by the prompt alone."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
 from tests.vllm.checks import chat_body, completion_body, kv_delta, post, unique_prompt
@@ -16,14 +14,7 @@ CACHE_HIT_LINE = "External Cache Hit!"
 
 @pytest.fixture(scope="module")
 def pd(fleet):
-    top = fleet.up("example")
-    prefill, decode = top.by_role("prefill"), top.by_role("decode")
-    proxy = fleet.proxy({
-        "settings": {"connector": "none", "decode_retries": 0},
-        "instances": [{"role": "prefill", "url": prefill.url},
-                      {"role": "decode", "url": decode.url}],
-    })
-    return SimpleNamespace(prefill=prefill, decode=decode, proxy=proxy)
+    return fleet.proxied_pd("example", "none")
 
 
 @pytest.mark.parametrize(("path", "stream"), [

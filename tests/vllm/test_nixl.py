@@ -3,8 +3,6 @@ and the decode server's own counters show it pulled the prompt's KV instead of c
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
 from tests.vllm.checks import (
@@ -23,14 +21,7 @@ NIXL_BYTES = "vllm:nixl_bytes_transferred_sum"
 
 @pytest.fixture(scope="module")
 def pd(fleet):
-    top = fleet.up("nixl")
-    prefill, decode = top.by_role("prefill"), top.by_role("decode")
-    proxy = fleet.proxy({
-        "settings": {"connector": "nixl", "decode_retries": 0},
-        "instances": [{"role": "prefill", "url": prefill.url},
-                      {"role": "decode", "url": decode.url}],
-    })
-    return SimpleNamespace(prefill=prefill, decode=decode, proxy=proxy)
+    return fleet.proxied_pd("nixl", "nixl")
 
 
 def _reference(pd, path: str, body: dict) -> str:

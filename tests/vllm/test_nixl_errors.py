@@ -4,8 +4,6 @@ itself before any backend (same status and OpenAI error shape)."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
 from tests.vllm.checks import call, completion_body, post, unique_prompt
@@ -15,14 +13,7 @@ pytestmark = pytest.mark.vllm
 
 @pytest.fixture(scope="module")
 def pd(fleet):
-    top = fleet.up("nixl")
-    prefill, decode = top.by_role("prefill"), top.by_role("decode")
-    proxy = fleet.proxy({
-        "settings": {"connector": "nixl", "decode_retries": 0},
-        "instances": [{"role": "prefill", "url": prefill.url},
-                      {"role": "decode", "url": decode.url}],
-    })
-    return SimpleNamespace(prefill=prefill, decode=decode, proxy=proxy)
+    return fleet.proxied_pd("nixl", "nixl")
 
 
 def _without_created(doc: dict) -> dict:
