@@ -41,7 +41,7 @@ run: $(STAMP)
 	@trap 'kill $$(jobs -p) 2>/dev/null; wait' EXIT INT TERM; \
 	$(BIN)/epd-flask-sim --role prefill --port $(PREFILL_PORT) & \
 	$(BIN)/epd-flask-sim --role decode --port $(DECODE_PORT) --token-delay-ms $(TOKEN_DELAY_MS) & \
-	$(BIN)/python -m epd_flask.waitfor http://127.0.0.1:$(PREFILL_PORT)/health \
+	$(BIN)/python -m epd_flask.sim.waitfor http://127.0.0.1:$(PREFILL_PORT)/health \
 	    http://127.0.0.1:$(DECODE_PORT)/health || exit 1; \
 	echo; echo "epd-flask on http://127.0.0.1:$(PORT). Try:"; \
 	echo "  curl -N http://127.0.0.1:$(PORT)/v1/chat/completions -H 'Content-Type: application/json' \\"; \

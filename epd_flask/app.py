@@ -13,26 +13,28 @@ from dataclasses import dataclass, field
 from flask import Flask, Response
 from werkzeug.exceptions import HTTPException
 
-from epd_flask import context, errors, metrics
-from epd_flask.config import ProxyConfig
-from epd_flask.connectors import Placement, connector_class
-from epd_flask.discovery import BootstrapDiscovery
-from epd_flask.edge import KeyRing
-from epd_flask.errors import ClientError, ProxyError
-from epd_flask.fleet import Fleet
-from epd_flask.headers import REQUEST_ID_HEADER
-from epd_flask.inflight import InFlight, InFlightMiddleware
-from epd_flask.pipeline import Pipeline
-from epd_flask.prober import Prober
-from epd_flask.registry import Registry
-from epd_flask.reload import boot_roster
-from epd_flask.roster import Roster
-from epd_flask.routing import Router
-from epd_flask.shutdown import Drain
-from epd_flask.statedir import StateDir
-from epd_flask.tls import TLSFiles
-from epd_flask.transport import Transport
-from epd_flask.urlpolicy import URLPolicy
+from epd_flask.control.config import ProxyConfig
+from epd_flask.control.reload import boot_roster
+from epd_flask.control.roster import Roster
+from epd_flask.control.statedir import StateDir
+from epd_flask.control.urlpolicy import URLPolicy
+from epd_flask.core import errors
+from epd_flask.core.errors import ClientError, ProxyError
+from epd_flask.core.headers import REQUEST_ID_HEADER
+from epd_flask.fleet.prober import Prober
+from epd_flask.fleet.registry import Registry
+from epd_flask.fleet.rostersync import Fleet
+from epd_flask.fleet.routing import Router
+from epd_flask.observe import metrics
+from epd_flask.serving import context
+from epd_flask.serving.connectors import Placement, connector_class
+from epd_flask.serving.connectors.discovery import BootstrapDiscovery
+from epd_flask.serving.pipeline import Pipeline
+from epd_flask.upstream.tls import TLSFiles
+from epd_flask.upstream.transport import Transport
+from epd_flask.web.edge import KeyRing
+from epd_flask.web.inflight import InFlight, InFlightMiddleware
+from epd_flask.web.shutdown import Drain
 
 logger = logging.getLogger(__name__)
 
@@ -126,9 +128,9 @@ def create_app(config: ProxyConfig | None = None, roster: Roster | None = None) 
     svc = app.extensions[EXTENSION] = build_services(config, roster, generation)
     app.wsgi_app = InFlightMiddleware(app.wsgi_app, svc.inflight)  # type: ignore[method-assign]
 
-    from epd_flask.admin import bp as admin_bp
-    from epd_flask.api import bp
-    from epd_flask.ops import bp as ops_bp
+    from epd_flask.web.admin import bp as admin_bp
+    from epd_flask.web.api import bp
+    from epd_flask.web.ops import bp as ops_bp
 
     app.register_blueprint(ops_bp)
     app.register_blueprint(admin_bp, url_prefix=config.admin_prefix or None)

@@ -13,11 +13,11 @@ import logging
 import os
 
 # Standard library only (the master must not load ssl); see its docstring.
-from epd_flask import metricsdir
+from epd_flask.control import metricsdir
 
 # Roster schema, validation and the state directory (pydantic, PyYAML, json; no ssl, no
 # gevent): the master validates the roster itself.
-from epd_flask import reload as _epd_reload
+from epd_flask.control import reload as _epd_reload
 
 # Listen address: EPD_BIND wins, else HOST/PORT (make run uses PORT).
 bind = os.environ.get("EPD_BIND") or (

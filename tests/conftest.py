@@ -22,8 +22,8 @@ if not gevent.monkey.is_module_patched("socket"):
 from gevent.pywsgi import WSGIServer
 
 from epd_flask.app import create_app, services
-from epd_flask.config import ProxyConfig
-from epd_flask.roster import parse
+from epd_flask.control.config import ProxyConfig
+from epd_flask.control.roster import parse
 from epd_flask.sim import SimConfig, SimServer
 from tests.helpers import NoDelayHandler
 

@@ -10,8 +10,8 @@ import pytest
 import requests
 import yaml
 
-from epd_flask.roster import load
-from epd_flask.statedir import StateDir
+from epd_flask.control.roster import load
+from epd_flask.control.statedir import StateDir
 from tests.helpers import pd_roster
 
 KEY = "s3cret-admin"

@@ -23,8 +23,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from epd_flask.app import create_app, services
-from epd_flask.config import ProxyConfig
-from epd_flask.roster import parse
+from epd_flask.control.config import ProxyConfig
+from epd_flask.control.roster import parse
 from epd_flask.sim import SimConfig, SimServer
 from tests.helpers import NoDelayHandler
 

@@ -246,7 +246,7 @@ def test_p2p_nccl_request_id_names_the_pair_and_prefill_runs_first(sim, proxy, s
 
 
 def test_p2p_nccl_roster_needs_kv_addresses(proxy, sim) -> None:
-    from epd_flask.roster import RosterError, parse
+    from epd_flask.control.roster import RosterError, parse
 
     p, d = sim("prefill"), sim("decode")
     with pytest.raises(RosterError, match="kv_zmq_addr"):

@@ -67,7 +67,7 @@ def test_a_good_key_is_served_and_stays_at_the_edge(fleet) -> None:
 
 
 def test_admin_key_cannot_be_a_serving_key() -> None:
-    from epd_flask.config import ProxyConfig
+    from epd_flask.control.config import ProxyConfig
 
     with pytest.raises(ValueError, match="ADMIN_API_KEY"):
         ProxyConfig(api_keys=(ADMIN,), admin_api_key=ADMIN)

@@ -37,7 +37,7 @@ def test_a_refused_instance_sends_the_request_to_another_one(sim, proxy, role, c
     dead.stop()
     # A high threshold keeps the dead instance in rotation: every request may meet it.
     px = proxy(pd_roster([p0, p1], [d0, d1], fail_threshold=100, decode_retries=1))
-    caplog.set_level(logging.WARNING, "epd_flask.pipeline")
+    caplog.set_level(logging.WARNING, "epd_flask.serving.pipeline")
     for _ in range(4):
         r = post(px)
         assert r.status_code == 200, r.text

@@ -16,8 +16,8 @@ import pytest
 import requests
 from gevent.server import StreamServer
 
-from epd_flask import errors
-from epd_flask.transport import Transport
+from epd_flask.core import errors
+from epd_flask.upstream.transport import Transport
 from tests.helpers import pd_roster
 
 COMPLETION = {"model": "tiny-llama", "prompt": "hello world", "max_tokens": 4}

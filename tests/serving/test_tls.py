@@ -10,10 +10,10 @@ import pytest
 import requests
 
 from epd_flask.app import create_app
-from epd_flask.config import ProxyConfig
-from epd_flask.roster import parse
+from epd_flask.control.config import ProxyConfig
+from epd_flask.control.roster import parse
 from epd_flask.sim import SimConfig, SimServer
-from epd_flask.tls import TLSConfigError
+from epd_flask.upstream.tls import TLSConfigError
 from tests.certs import issue, make_ca
 from tests.helpers import pd_roster
 

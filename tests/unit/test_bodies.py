@@ -8,9 +8,9 @@ import re
 
 import pytest
 
-from epd_flask.connectors import CONNECTORS, Placement, get_connector, prime_body
-from epd_flask.connectors.nixl import complete_handles
-from epd_flask.roster import Instance
+from epd_flask.control.roster import Instance
+from epd_flask.serving.connectors import CONNECTORS, Placement, get_connector, prime_body
+from epd_flask.serving.connectors.nixl import complete_handles
 
 CHAT = {
     "model": "tiny-llama",

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import yaml
 
-from epd_flask.config import DEFAULT_MAX_BODY_BYTES
-from epd_flask.roster import Settings, parse
+from epd_flask.control.config import DEFAULT_MAX_BODY_BYTES
+from epd_flask.control.roster import Settings, parse
 
 ROOT = Path(__file__).resolve().parents[2]
 ETC = ROOT / "etc"

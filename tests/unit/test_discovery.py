@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from epd_flask.discovery import BootstrapAnswerError, BootstrapDiscovery, Engines, parse_query
-from epd_flask.registry import Registry
-from epd_flask.roster import Instance, Settings
+from epd_flask.control.roster import Instance, Settings
+from epd_flask.fleet.registry import Registry
+from epd_flask.serving.connectors.discovery import (
+    BootstrapAnswerError,
+    BootstrapDiscovery,
+    Engines,
+    parse_query,
+)
 
 P1 = Instance(role="prefill", url="http://p1:8100", bootstrap_url="http://p1:8998")
 P2 = Instance(role="prefill", url="http://p2:8100", bootstrap_url="http://p2:8998")

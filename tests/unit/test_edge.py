@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from epd_flask import errors
-from epd_flask.api import parse_object
-from epd_flask.headers import client_headers, request_id, upstream_headers
+from epd_flask.core import errors
+from epd_flask.core.headers import client_headers, request_id, upstream_headers
+from epd_flask.web.api import parse_object
 
 
 def test_upstream_headers_keep_only_the_allowlist_and_set_the_request_id() -> None:

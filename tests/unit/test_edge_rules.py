@@ -7,8 +7,9 @@ import io
 
 import pytest
 
-from epd_flask import edge, errors
-from epd_flask.config import ProxyConfig
+from epd_flask.control.config import ProxyConfig
+from epd_flask.core import errors
+from epd_flask.web import edge
 
 
 def test_bearer_parsing() -> None:

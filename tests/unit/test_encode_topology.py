@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from epd_flask.errors import NoBackend
-from epd_flask.registry import Registry
-from epd_flask.roster import Instance, RosterError, Settings, parse
-from epd_flask.routing import Router
+from epd_flask.control.roster import Instance, RosterError, Settings, parse
+from epd_flask.core.errors import NoBackend
+from epd_flask.fleet.registry import Registry
+from epd_flask.fleet.routing import Router
 
 ADDRS = ["tcp://10.0.0.1:17000", "tcp://10.0.0.1:17001"]
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from epd_flask import jsoncodec
+from epd_flask.core import jsoncodec
 
 
 @pytest.mark.parametrize("text", [

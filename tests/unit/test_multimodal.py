@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from epd_flask import multimodal as mm
-from epd_flask.multimodal import Encoded, ReportError
+from epd_flask.serving import multimodal as mm
+from epd_flask.serving.multimodal import Encoded, ReportError
 
 IMG_A = {"type": "image_url", "image_url": {"url": "https://media.invalid/a.png"}}
 IMG_B = {"type": "image_url", "image_url": {"url": "https://media.invalid/b.png"}}

@@ -14,10 +14,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client import multiprocess as prom_multiprocess
 
-from epd_flask import context, metricsdir
-from epd_flask.config import ProxyConfig
-from epd_flask.context import RequestContext
-from epd_flask.statuspage import quantile
+from epd_flask.control import metricsdir
+from epd_flask.control.config import ProxyConfig
+from epd_flask.observe.statuspage import quantile
+from epd_flask.serving import context
+from epd_flask.serving.context import RequestContext
 
 FIVE_STAGES = {"encode": 41.5, "rewrite": 0.2, "prefill": 12.25, "decode_first_byte": 30.0,
                "total": 900.0}

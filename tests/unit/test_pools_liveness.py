@@ -10,7 +10,7 @@ import gevent
 import pytest
 import urllib3.connection
 
-from epd_flask.pools import ReplayingHTTPConnection
+from epd_flask.upstream.pools import ReplayingHTTPConnection
 
 
 @pytest.fixture

@@ -13,12 +13,19 @@ from typing import Any
 import pytest
 import yaml
 
-from epd_flask import reload
-from epd_flask.registry import Registry
-from epd_flask.roster import Instance, RoleConflict, RosterError, load, parse, parse_instance
-from epd_flask.rosterfile import RosterFileError, register, unregister
-from epd_flask.routing import Router
-from epd_flask.statedir import STATE_DIR_ENV, StateDir, atomic_write
+from epd_flask.control import reload
+from epd_flask.control.roster import (
+    Instance,
+    RoleConflict,
+    RosterError,
+    load,
+    parse,
+    parse_instance,
+)
+from epd_flask.control.rosterfile import RosterFileError, register, unregister
+from epd_flask.control.statedir import STATE_DIR_ENV, StateDir, atomic_write
+from epd_flask.fleet.registry import Registry
+from epd_flask.fleet.routing import Router
 
 COMMENTED = """\
 # Fleet of the tests. Keep this comment.

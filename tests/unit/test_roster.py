@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from epd_flask.roster import RosterError, load, main, parse
+from epd_flask.control.roster import RosterError, load, main, parse
 
 GOOD = {
     "settings": {"connector": "nixl", "decode_retries": 2},

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from epd_flask.errors import NoBackend
-from epd_flask.registry import Registry
-from epd_flask.roster import Instance
-from epd_flask.routing import Router
+from epd_flask.control.roster import Instance
+from epd_flask.core.errors import NoBackend
+from epd_flask.fleet.registry import Registry
+from epd_flask.fleet.routing import Router
 
 
 def decodes(*ports: int) -> list[Instance]:

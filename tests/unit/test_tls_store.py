@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from epd_flask.tls import TLSConfigError, TLSFiles, TrustStore
+from epd_flask.upstream.tls import TLSConfigError, TLSFiles, TrustStore
 from tests.certs import make_ca
 
 pytest.importorskip("cryptography")

@@ -11,9 +11,9 @@ import gevent
 import pytest
 from urllib3.exceptions import ProtocolError
 
-from epd_flask import errors
-from epd_flask.chunked import Decoder
-from epd_flask.transport import Transport
+from epd_flask.core import errors
+from epd_flask.upstream.chunked import Decoder
+from epd_flask.upstream.transport import Transport
 from tests.helpers import free_port
 
 Handler = Callable[[socket.socket], None]

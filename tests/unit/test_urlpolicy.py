@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from epd_flask.urlpolicy import URLPolicy, URLPolicyError, check_instance_url
+from epd_flask.control.urlpolicy import URLPolicy, URLPolicyError, check_instance_url
 
 OPEN = URLPolicy.build(("http", "https"), ())
 PRIVATE = URLPolicy.build(("http", "https"), ("10.0.0.0/8", "127.0.0.1/32", "fd00::/8"))

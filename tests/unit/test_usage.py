@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from epd_flask.usage import prefill_cached_tokens, rewrite_body, rewrite_events
+from epd_flask.serving.usage import prefill_cached_tokens, rewrite_body, rewrite_events
 
 
 def test_prefill_cached_tokens_from_usage_or_nixl_params() -> None:

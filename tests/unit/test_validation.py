@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from epd_flask.errors import ClientError
-from epd_flask.validation import check_completion
+from epd_flask.core.errors import ClientError
+from epd_flask.web.validation import check_completion
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

@@ -14,7 +14,7 @@ import gevent
 import pytest
 import requests
 
-from epd_flask.connectors import CONNECTORS
+from epd_flask.serving.connectors import CONNECTORS
 from tests.vllm.checks import chat_body, completion_body, kv_delta, post, unique_prompt
 
 pytestmark = pytest.mark.vllm

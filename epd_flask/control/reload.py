@@ -1,0 +1,204 @@
+"""Roster reloads as the gunicorn master sees them, and the roster a worker boots from.
+
+The master reads and validates the roster at start and on every SIGHUP, keeps the last good
+copy and publishes it to the state directory; a roster that fails validation is logged and
+ignored, so a bad edit can neither stop the master nor make new workers fail to boot (which
+would make gunicorn halt). Workers boot from the newest validated copy (published, or the one
+inherited through fork) and never read an unvalidated file when a master prepared one.
+Imported by the master: light (no ssl, no gevent, no sockets).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+from epd_flask.control.roster import Roster, RosterError, load, roster_path
+from epd_flask.control.statedir import STATE_DIR_ENV, StateDir
+
+STATE_DIR_PREFIX = "epd-flask-"
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """What the master validated last; a forked worker inherits this module's copy."""
+
+    roster: Roster
+    generation: int
+    path: str
+
+
+_handoff: Handoff | None = None
+_busy = False
+_pending = False
+_last_read: tuple[int, int, int] | None = None
+
+
+def handed_over() -> Handoff | None:
+    return _handoff
+
+
+def start(server: Any) -> None:
+    """``on_starting``: a roster that does not validate stops start-up with the reason (a
+    RuntimeError is what gunicorn prints as ``Error: ...`` before exiting 1)."""
+    global _handoff
+    state = StateDir.from_env()
+    if state is None:
+        state = StateDir(tempfile.mkdtemp(prefix=STATE_DIR_PREFIX))
+        os.environ[STATE_DIR_ENV] = str(state.path)  # inherited by every worker
+        server.epd_state_dir_created = True
+    state.ensure()
+    path = roster_path()
+    try:
+        roster = load(path)
+    except RosterError as exc:
+        cleanup(server)
+        raise RuntimeError(f"cannot start epd-flask: {exc}") from None
+    with state.lock():
+        generation = state.publish(roster, f"start from {path}")
+    _handoff = Handoff(roster, generation, path)
+    server.log.info("roster %s: generation %d, %s; state in %s", path, generation,
+                    _summary(roster), state.path)
+
+
+def install_hup_handler(server: Any) -> None:
+    """``when_ready``: re-read the roster the moment SIGHUP arrives, ahead of gunicorn.
+
+    gunicorn queues signals and handles them one by one in its main loop, and its reload
+    waits there until the old workers have finished their streams (up to graceful_timeout,
+    minutes for long generations, and as long as an idle keep-alive connection from nginx
+    stays open). A second edit + SIGHUP in that window would wait too. This handler runs
+    when the signal arrives, validates and publishes the roster, so running workers follow
+    within SYNC_INTERVAL; gunicorn's queued reload still happens later and finds the work
+    done. It never raises: an exception would surface in whatever the master was doing.
+    """
+    previous = signal.getsignal(signal.SIGHUP)
+    if getattr(previous, "epd_early_reload", False):
+        return
+    master_pid = os.getpid()
+
+    def on_hup(signum: int, frame: Any) -> None:
+        if os.getpid() == master_pid:
+            with contextlib.suppress(Exception):
+                refresh(server)
+        if callable(previous):
+            previous(signum, frame)
+
+    on_hup.epd_early_reload = True  # type: ignore[attr-defined]
+    signal.signal(signal.SIGHUP, on_hup)
+
+
+def on_reload(server: Any) -> None:
+    """gunicorn's ``on_reload``: the SIGHUP handler normally did the work already; re-read
+    only a file that changed since (or when the handler is not installed)."""
+    if _last_read is not None and _file_signature(roster_path()) == _last_read:
+        return
+    refresh(server)
+
+
+def refresh(server: Any) -> None:
+    """Adopt a valid roster, keep the last good one otherwise; never raises (an exception
+    escaping a master hook would exit the master).
+
+    Re-entrant calls (a SIGHUP arriving while a refresh runs) are folded into one more pass
+    of the refresh that is running.
+    """
+    global _busy, _pending
+    if _busy:
+        _pending = True
+        return
+    _busy = True
+    try:
+        while True:
+            _pending = False
+            _refresh_once(server)
+            if not _pending:
+                break
+    finally:
+        _busy = False
+
+
+def _refresh_once(server: Any) -> None:
+    global _handoff, _last_read
+    path = roster_path()
+    _last_read = _file_signature(path)
+    try:
+        roster = load(path)
+    except RosterError as exc:
+        last = _handoff
+        server.log.error(
+            "roster reload REJECTED, still serving the last good roster%s: %s",
+            f" (generation {last.generation}, {_summary(last.roster)})" if last else "", exc)
+        return
+    except Exception:
+        server.log.exception("roster reload failed; still serving the last good roster")
+        return
+    state = StateDir.from_env()
+    generation = (_handoff.generation if _handoff else 0) + 1
+    try:
+        if state is not None:
+            with state.lock():
+                current = state.published()
+                if current is not None and current.roster == roster:
+                    generation = current.generation
+                else:
+                    generation = state.publish(roster, f"reload of {path}")
+                    _log_diff(server, current.roster if current else None, roster)
+    except Exception:
+        server.log.exception("cannot publish the reloaded roster to %s; workers started "
+                             "now inherit it directly", state.path if state else "?")
+    _handoff = Handoff(roster, generation, path)
+    server.log.info("roster %s reloaded: generation %d, %s", path, generation, _summary(roster))
+
+
+def cleanup(server: Any) -> None:
+    """``on_exit``: remove a state directory this master created for itself."""
+    if getattr(server, "epd_state_dir_created", False):
+        state = StateDir.from_env()
+        if state is not None:
+            shutil.rmtree(state.path, ignore_errors=True)
+
+
+def boot_roster(path: str, state: StateDir | None) -> tuple[Roster, int]:
+    """The roster a worker starts with: the newest validated copy, else the file itself (no
+    master prepared one, e.g. another WSGI server)."""
+    candidates: list[tuple[int, Roster]] = []
+    published = state.published() if state is not None else None
+    if published is not None:
+        candidates.append((published.generation, published.roster))
+    if _handoff is not None:
+        candidates.append((_handoff.generation, _handoff.roster))
+    if candidates:
+        generation, roster = max(candidates, key=lambda c: c[0])
+        return roster, generation
+    return load(path), 0
+
+
+def _file_signature(path: str) -> tuple[int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
+def _summary(roster: Roster) -> str:
+    counts: dict[str, int] = {}
+    for inst in roster.instances:
+        counts[inst.role] = counts.get(inst.role, 0) + 1
+    return ", ".join(f"{n} {role}" for role, n in counts.items()) or "no instances"
+
+
+def _log_diff(server: Any, before: Roster | None, after: Roster) -> None:
+    old = {i.url: i for i in before.instances} if before else {}
+    new = {i.url: i for i in after.instances}
+    added = sorted(set(new) - set(old))
+    removed = sorted(set(old) - set(new))
+    changed = sorted(u for u in set(old) & set(new) if old[u] != new[u])
+    server.log.info("roster change: added %s; removed %s; changed %s",
+                    added or "none", removed or "none", changed or "none")

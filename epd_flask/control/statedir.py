@@ -1,0 +1,186 @@
+"""The runtime state directory a gunicorn master shares with its workers.
+
+It holds the published roster (the last validated copy with a generation number, written by
+the master on start and reload and by a worker after an admin change, read by every worker)
+and one health snapshot per worker, so that workers started by a reload inherit what their
+predecessors learned. Light enough for the master: JSON files, ``fcntl`` and our roster schema.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from epd_flask.control.roster import Roster, RosterError, parse
+
+logger = logging.getLogger(__name__)
+
+STATE_DIR_ENV = "EPD_STATE_DIR"
+PUBLISHED_FILE = "roster.json"
+LOCK_FILE = "lock"
+HEALTH_PREFIX = "health-"
+HEALTH_SUFFIX = ".json"
+LOCK_TIMEOUT = 5.0
+LOCK_POLL = 0.01
+
+
+@dataclass(frozen=True)
+class Published:
+    generation: int
+    roster: Roster
+    origin: str
+
+
+class StateDir:
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> StateDir | None:
+        env = os.environ if environ is None else environ
+        value = env.get(STATE_DIR_ENV)
+        return cls(value) if value else None
+
+    def ensure(self) -> None:
+        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+    @contextlib.contextmanager
+    def lock(self, timeout: float = LOCK_TIMEOUT) -> Iterator[None]:
+        """Serialise writers of the roster file and the published copy across processes.
+
+        Polls a non-blocking ``flock`` instead of blocking in the kernel: a gevent worker must
+        keep serving its streams while another process holds the lock (``time.sleep`` is
+        patched there).
+        """
+        fd = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except OSError as exc:
+                    if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                        raise
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(
+                            f"{self.path / LOCK_FILE} stayed locked for {timeout:g} s") from None
+                    time.sleep(LOCK_POLL)
+            yield
+        finally:
+            os.close(fd)  # closing releases the lock
+
+    # -- the published roster ------------------------------------------------------------
+
+    def signature(self) -> tuple[int, int, int] | None:
+        """Changes whenever the published copy is replaced; cheap enough to poll."""
+        try:
+            st = os.stat(self.path / PUBLISHED_FILE)
+        except OSError:
+            return None
+        return st.st_ino, st.st_mtime_ns, st.st_size
+
+    def published(self) -> Published | None:
+        """The published roster, or None when there is none or it cannot be read."""
+        path = self.path / PUBLISHED_FILE
+        try:
+            doc = json.loads(path.read_text(encoding="utf-8"))
+            return Published(int(doc["generation"]), parse(doc["roster"], str(path)),
+                             str(doc.get("origin", "")))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError, RosterError) as exc:
+            logger.error("cannot read the published roster %s: %s", path, exc)
+            return None
+
+    def publish(self, roster: Roster, origin: str) -> int:
+        """Write ``roster`` as the next generation; the caller holds ``lock()``."""
+        current = self.published()
+        generation = (current.generation if current else 0) + 1
+        doc = {"generation": generation, "origin": origin, "published_at": time.time(),
+               "roster": roster.model_dump(mode="json")}
+        atomic_write(self.path / PUBLISHED_FILE, json.dumps(doc, indent=1).encode())
+        return generation
+
+    # -- health snapshots ----------------------------------------------------------------
+
+    def write_health(self, pid: int, entries: Mapping[str, Any]) -> None:
+        doc = {"pid": pid, "written_at": time.time(), "instances": entries}
+        atomic_write(self.path / f"{HEALTH_PREFIX}{pid}{HEALTH_SUFFIX}",
+                     json.dumps(doc).encode())
+
+    def read_health(self) -> dict[str, dict[str, Any]]:
+        """Every worker's snapshot merged: per instance, the most recent observation wins."""
+        merged: dict[str, dict[str, Any]] = {}
+        for path in self.path.glob(f"{HEALTH_PREFIX}*{HEALTH_SUFFIX}"):
+            try:
+                doc = json.loads(path.read_text(encoding="utf-8"))
+                entries = doc["instances"]
+                for url, entry in entries.items():
+                    best = merged.get(url)
+                    if best is None or entry.get("changed_at", 0) > best.get("changed_at", 0):
+                        merged[url] = entry
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                continue  # a snapshot being replaced or left half-read: the others suffice
+        return merged
+
+    def prune_health(self, keep: int) -> None:
+        """Drop snapshots of workers that no longer run (their knowledge lives on in the
+        snapshots of the workers that read them at boot)."""
+        for path in self.path.glob(f"{HEALTH_PREFIX}*{HEALTH_SUFFIX}"):
+            try:
+                pid = int(path.name[len(HEALTH_PREFIX):-len(HEALTH_SUFFIX)])
+            except ValueError:
+                continue
+            if pid != keep and not _running(pid):
+                with contextlib.suppress(OSError):
+                    path.unlink()
+
+
+def atomic_write(path: str | os.PathLike[str], data: bytes) -> None:
+    """Replace ``path`` so that readers see the old or the new content, never a mix: a temp
+    file in the same directory, flushed to disk, then ``os.replace``. Keeps the file mode."""
+    target = Path(path)
+    try:
+        mode: int | None = target.stat().st_mode & 0o7777
+    except FileNotFoundError:
+        mode = None
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        if mode is not None:
+            os.chmod(tmp, mode)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):
+        dir_fd = os.open(target.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

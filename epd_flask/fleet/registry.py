@@ -1,0 +1,212 @@
+"""Live or evicted: what this worker believes about each roster instance.
+
+Fed by active probes and by passive signals from real requests. State is per worker (each
+gunicorn worker probes for itself), keyed by URL so it survives a roster change for every
+instance that is still listed; ``export``/``restore`` carry it across a reload, when gunicorn
+replaces the workers.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from epd_flask.control.roster import Instance
+from epd_flask.core.events import FleetEntry, bus
+
+logger = logging.getLogger(__name__)
+
+@dataclass
+class InstanceState:
+    """``live`` is optimistic (a new instance is live until it fails); ``confirmed`` means this
+    worker, or the one it inherited state from, has seen the instance answer."""
+
+    instance: Instance
+    live: bool = True
+    confirmed: bool = False
+    failures: int = 0
+    changed_at: float = 0.0
+    evicted_at: float | None = None
+    last_probe_at: float | None = None
+    last_probe_ok: bool | None = None
+    last_latency: float | None = None
+    last_error: str | None = None
+    in_flight: int = 0
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+class Registry:
+    """Instances by URL with their health; eviction after ``fail_threshold`` failures in a row.
+
+    An evicted instance keeps being probed and rejoins on its first success; after
+    ``evicted_ttl`` seconds (0 = never) it is forgotten.
+    """
+
+    def __init__(
+        self, instances: Iterable[Instance], fail_threshold: int = 3, evicted_ttl: float = 0.0
+    ) -> None:
+        self.fail_threshold = fail_threshold
+        self.evicted_ttl = evicted_ttl
+        self._states: dict[str, InstanceState] = {}
+        self.version = 0
+        self.replace(instances)
+
+    def replace(self, instances: Iterable[Instance]) -> None:
+        """Adopt a new roster, keeping health of instances that stay (same URL and role)."""
+        fresh: dict[str, InstanceState] = {}
+        for inst in instances:
+            old = self._states.get(inst.url)
+            if old is not None and old.instance.role == inst.role:
+                old.instance = inst
+                fresh[inst.url] = old
+            else:
+                fresh[inst.url] = InstanceState(inst)
+        self._states = fresh
+        self.version += 1
+        self._announce()
+
+    def configure(self, fail_threshold: int, evicted_ttl: float) -> None:
+        self.fail_threshold = fail_threshold
+        self.evicted_ttl = evicted_ttl
+
+    def get(self, url: str) -> InstanceState | None:
+        return self._states.get(url)
+
+    def states(self) -> list[InstanceState]:
+        return list(self._states.values())
+
+    def instances(self, role: str | None = None) -> list[Instance]:
+        states = self._states.values()
+        return [s.instance for s in states if role is None or s.instance.role == role]
+
+    def live(self, role: str) -> list[Instance]:
+        return [s.instance for s in self._states.values() if s.live and s.instance.role == role]
+
+    def confirmed(self, role: str) -> list[Instance]:
+        """Live instances known to answer: what readiness counts."""
+        return [s.instance for s in self._states.values()
+                if s.live and s.confirmed and s.instance.role == role]
+
+    def record_success(self, url: str, latency: float | None = None) -> None:
+        state = self._states.get(url)
+        if state is None:
+            return  # removed meanwhile: a late result must not resurrect it
+        rejoined = not state.live
+        if rejoined:
+            logger.info("instance %s (%s) rejoined", url, state.instance.role)
+        if not (state.live and state.confirmed and state.failures == 0):
+            self._changed(state)
+        state.live = True
+        state.confirmed = True
+        state.failures = 0
+        state.evicted_at = None
+        state.last_error = None
+        if latency is not None:
+            state.last_latency = latency
+        if rejoined:
+            bus.rejoined(state.instance.role, url)
+            self._announce()
+
+    def record_failure(self, url: str, reason: str) -> None:
+        """A failed probe, or a refused connection on a real request (the passive signal)."""
+        state = self._states.get(url)
+        if state is None:
+            return
+        state.failures += 1
+        state.last_error = reason
+        self._changed(state)
+        if state.live and state.failures >= self.fail_threshold:
+            state.live = False
+            state.evicted_at = time.monotonic()
+            logger.warning(
+                "instance %s (%s) evicted after %d consecutive failures: %s",
+                url, state.instance.role, state.failures, reason,
+            )
+            bus.evicted(state.instance.role, url)
+            self._announce()
+
+    def _changed(self, state: InstanceState) -> None:
+        state.changed_at = time.time()
+        self.version += 1
+
+    def forget_expired(self, now: float | None = None) -> list[str]:
+        """Drop instances evicted for longer than the TTL; returns their URLs."""
+        if self.evicted_ttl <= 0:
+            return []
+        now = time.monotonic() if now is None else now
+        gone = [
+            url for url, s in self._states.items()
+            if not s.live and s.evicted_at is not None and now - s.evicted_at > self.evicted_ttl
+        ]
+        for url in gone:
+            logger.warning("instance %s forgotten after %.0f s evicted", url, self.evicted_ttl)
+            del self._states[url]
+        if gone:
+            self.version += 1
+            self._announce()
+        return gone
+
+    def _announce(self) -> None:
+        bus.fleet([FleetEntry(s.instance.role, url, s.live) for url, s in self._states.items()])
+
+    def export(self) -> dict[str, dict[str, Any]]:
+        """Health by URL as plain JSON-able data, with wall-clock times another process can
+        read (monotonic clocks are not comparable across reboots)."""
+        now_wall, now_mono = time.time(), time.monotonic()
+        out: dict[str, dict[str, Any]] = {}
+        for url, s in self._states.items():
+            out[url] = {
+                "role": s.instance.role, "live": s.live, "confirmed": s.confirmed,
+                "failures": s.failures, "changed_at": s.changed_at,
+                "evicted_at": None if s.evicted_at is None
+                else now_wall - (now_mono - s.evicted_at),
+                "last_probe_at": s.last_probe_at, "last_probe_ok": s.last_probe_ok,
+                "last_latency": s.last_latency, "last_error": s.last_error,
+            }
+        return out
+
+    def restore(self, entries: Mapping[str, Mapping[str, Any]]) -> list[str]:
+        """Adopt exported health for instances still listed in the same role, where it is
+        newer than what this registry knows; returns the URLs adopted."""
+        now_wall, now_mono = time.time(), time.monotonic()
+        adopted = []
+        for url, entry in entries.items():
+            state = self._states.get(url)
+            try:
+                if state is None or entry.get("role") != state.instance.role \
+                        or float(entry.get("changed_at") or 0) <= state.changed_at:
+                    continue
+                evicted_wall = entry.get("evicted_at")
+                state.live = bool(entry["live"])
+                state.confirmed = bool(entry.get("confirmed"))
+                state.failures = int(entry.get("failures") or 0)
+                state.changed_at = float(entry["changed_at"])
+                if state.live:
+                    state.evicted_at = None
+                elif evicted_wall is None:
+                    state.evicted_at = now_mono
+                else:  # the TTL keeps counting from the original eviction
+                    state.evicted_at = now_mono - max(0.0, now_wall - float(evicted_wall))
+                state.last_probe_at = entry.get("last_probe_at")
+                state.last_probe_ok = entry.get("last_probe_ok")
+                state.last_latency = entry.get("last_latency")
+                state.last_error = entry.get("last_error")
+            except (KeyError, TypeError, ValueError):
+                logger.warning("ignoring an unreadable health snapshot entry for %s", url)
+                continue
+            adopted.append(url)
+        if adopted:
+            self.version += 1
+            self._announce()
+        return adopted
+
+    def snapshot(self) -> dict[str, dict[str, list[str]]]:
+        """Per role, the live and evicted URLs (the /health body)."""
+        out: dict[str, dict[str, list[str]]] = {}
+        for s in self._states.values():
+            bucket = out.setdefault(s.instance.role, {"live": [], "evicted": []})
+            bucket["live" if s.live else "evicted"].append(s.instance.url)
+        return out

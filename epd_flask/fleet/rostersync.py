@@ -1,0 +1,169 @@
+"""One worker's view of the fleet kept in step with the roster file and its sibling workers.
+
+Adopts rosters (at boot, after an admin change, or when another process published one),
+turns admin registrations into edits of the roster file that every worker picks up, and runs
+the greenlet that watches the published roster and writes this worker's health snapshot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import gevent.lock
+
+from epd_flask.control import rosterfile
+from epd_flask.control.roster import Instance, Roster
+from epd_flask.control.rosterfile import Change
+from epd_flask.control.statedir import StateDir
+from epd_flask.core.periodic import Periodic
+from epd_flask.fleet.registry import Registry
+
+logger = logging.getLogger(__name__)
+
+SYNC_INTERVAL = 0.2  # seconds: how soon a worker follows a change published by another
+
+
+class RosterHolder(Protocol):
+    roster: Roster
+
+
+class Fleet:
+    def __init__(self, roster: Roster, generation: int, registry: Registry,
+                 holder: RosterHolder, roster_path: str, state: StateDir | None,
+                 probe_now: Callable[[list[str]], None] = lambda urls: None) -> None:
+        self.roster = roster
+        self.probe_now = probe_now
+        self.generation = generation
+        self.registry = registry
+        self.holder = holder
+        self.roster_path = roster_path
+        self.state = state
+        self._edit = gevent.lock.Semaphore()
+        # A full disk or a vanished state directory backs off instead of spinning.
+        self._loop = Periodic("state sync", self.sync, lambda: SYNC_INTERVAL,
+                              backoff=SYNC_INTERVAL * 10)
+        self._seen: tuple[int, int, int] | None = None
+        self._written = -1
+
+    # -- adopting rosters ----------------------------------------------------------------
+
+    def adopt(self, roster: Roster, generation: int, origin: str = "") -> None:
+        """Route by ``roster`` from the next request on. Health of instances that stay (same
+        URL and role) and the round-robin cursors carry over; requests already under way
+        keep the instances they were given."""
+        before = {i.url for i in self.roster.instances}
+        after = {i.url for i in roster.instances}
+        settings = roster.settings
+        self.registry.configure(settings.fail_threshold, settings.evicted_ttl)
+        self.registry.replace(roster.instances)
+        self.holder.roster = roster
+        self.roster = roster
+        self.generation = generation
+        if after - before:
+            self.probe_now(sorted(after - before))
+        if before != after or origin:
+            logger.info("roster generation %d adopted%s: %d instances; added %s; removed %s",
+                        generation, f" ({origin})" if origin else "", len(roster.instances),
+                        sorted(after - before) or "none", sorted(before - after) or "none")
+
+    # -- admin changes -------------------------------------------------------------------
+
+    def register(self, inst: Instance) -> Change:
+        with self._locked():
+            change = rosterfile.register(self.roster_path, inst)
+            if change.status != "unchanged":
+                self._publish(change.roster, f"{change.status} {inst.url} through the admin API")
+        return change
+
+    def unregister(self, url: str) -> Change:
+        with self._locked():
+            change = rosterfile.unregister(self.roster_path, url)
+            self._publish(change.roster, f"removed {url} through the admin API")
+        return change
+
+    def status(self) -> dict[str, Any]:
+        now = time.monotonic()
+        rows = []
+        for s in self.registry.states():
+            rows.append({
+                **s.instance.record(),
+                "state": "live" if s.live else "evicted",
+                "confirmed": s.confirmed,
+                "consecutive_failures": s.failures,
+                "evicted_for_s": None if s.evicted_at is None else round(now - s.evicted_at, 3),
+                "last_probe_at": s.last_probe_at,
+                "last_probe_ok": s.last_probe_ok,
+                "last_latency_ms": None if s.last_latency is None
+                else round(s.last_latency * 1000, 3),
+                "last_error": s.last_error,
+            })
+        return {"object": "list", "generation": self.generation, "worker": os.getpid(),
+                "roster_file": self.roster_path, "data": rows}
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        with self._edit:  # greenlets of this worker first, then other processes
+            if self.state is None:
+                yield
+            else:
+                with self.state.lock():
+                    yield
+
+    def _publish(self, roster: Roster, origin: str) -> None:
+        """Every worker must follow, not only this one: publish, then adopt here at once (the
+        siblings' sync greenlets follow within SYNC_INTERVAL)."""
+        generation = self.generation + 1
+        if self.state is not None:
+            try:
+                generation = self.state.publish(roster, origin)
+                self._seen = self.state.signature()
+            except OSError as exc:  # the file is written: siblings follow at the next reload
+                logger.error("cannot publish the roster to %s: %s", self.state.path, exc)
+        self.adopt(roster, generation, origin)
+
+    # -- the sync greenlet ---------------------------------------------------------------
+
+    def start(self) -> None:
+        """Inherit the health the previous workers learned, then keep in step."""
+        if self.state is None:
+            return
+        adopted = self.registry.restore(self.state.read_health())
+        if adopted:
+            logger.info("inherited the health of %d instances from earlier workers",
+                        len(adopted))
+        # Not the current signature: the roster this worker booted with was read earlier (in
+        # create_app), and a publication since then must not be mistaken for it.
+        self._seen = None
+        self.sync()
+        self.state.prune_health(os.getpid())
+        self._loop.start()
+
+    def stop(self) -> None:
+        self._loop.stop()
+        if self.state is not None:
+            with contextlib.suppress(OSError):
+                self._write_health()
+
+    def sync(self) -> None:
+        """One step: follow a newly published roster; write health if it changed."""
+        assert self.state is not None
+        signature = self.state.signature()
+        if signature is not None and signature != self._seen:
+            self._seen = signature
+            published = self.state.published()
+            if published is not None and published.generation != self.generation:
+                self.adopt(published.roster, published.generation, published.origin)
+        if self.registry.version != self._written:
+            self._write_health()
+
+    def _write_health(self) -> None:
+        assert self.state is not None
+        version = self.registry.version
+        self.state.write_health(os.getpid(), self.registry.export())
+        self._written = version
+

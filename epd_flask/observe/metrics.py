@@ -1,0 +1,285 @@
+"""The proxy's Prometheus metrics: their definitions, the observer that feeds them from the
+serving path's events, the ``/metrics`` exposition and the snapshots ``/status`` is drawn from.
+
+Under gunicorn every worker writes its values to ``PROMETHEUS_MULTIPROC_DIR`` (prepared by the
+master, see metricsdir.py) and any worker's scrape sums them all, through prometheus_client's
+multiprocess mode. Without that variable (tests, a single process) the values live in a private
+in-memory registry. Label values are bounded: routes from a fixed list, instances only from the
+roster, error kinds from the error taxonomy's codes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import multiprocess as prom_multiprocess
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from epd_flask.control.metricsdir import ENV as MULTIPROC_ENV
+from epd_flask.core.events import FleetEntry, Observer, bus
+from epd_flask.core.periodic import Periodic
+from epd_flask.serving.context import FIRST_BYTE, TOTAL, RequestContext
+
+logger = logging.getLogger(__name__)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+# From a millisecond proxy step to a multi-minute generation.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                   10.0, 30.0, 60.0, 120.0, 300.0, 600.0, float("inf"))
+KNOWN_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
+OTHER_ROUTE = "passthrough"
+NO_INSTANCE = ""
+# A stage spread over several instances at once (encoder fan-out) is timed as a whole.
+SEVERAL_INSTANCES = "several"
+# /status compares the newest sample with one this old.
+STATUS_WINDOW_SECONDS = 300.0
+SAMPLE_INTERVAL_SECONDS = 10.0
+
+MULTIPROCESS = bool(os.environ.get(MULTIPROC_ENV))
+_REGISTRY: CollectorRegistry | None = None if MULTIPROCESS else CollectorRegistry()
+
+REQUESTS = Counter("epd_requests_total", "Client requests answered, by route and HTTP status.",
+                   ["route", "status"], registry=_REGISTRY)
+STAGE_SECONDS = Histogram(
+    "epd_stage_duration_seconds",
+    "Time spent in one stage of a request (encode, rewrite, prefill, decode_first_byte), "
+    "by the instance that served it.",
+    ["stage", "instance"], buckets=LATENCY_BUCKETS, registry=_REGISTRY)
+FIRST_BYTE_SECONDS = Histogram(
+    "epd_request_first_byte_seconds",
+    "From the request's arrival to its first byte to the client (successful requests).",
+    ["route", "instance"], buckets=LATENCY_BUCKETS, registry=_REGISTRY)
+DURATION_SECONDS = Histogram(
+    "epd_request_duration_seconds", "From the request's arrival to its last byte.",
+    ["route", "instance"], buckets=LATENCY_BUCKETS, registry=_REGISTRY)
+CHUNKS = Counter(
+    "epd_streamed_chunks_total",
+    "SSE events relayed to clients (one per generated token with vLLM): rate() is tokens/s.",
+    ["route", "instance"], registry=_REGISTRY)
+BYTES = Counter("epd_response_bytes_total", "Response body bytes relayed to clients.",
+                ["route"], registry=_REGISTRY)
+RETRIES = Counter("epd_retries_total", "Attempts retried before the first byte, by the failed "
+                  "stage and the error code that caused it.", ["stage", "cause"],
+                  registry=_REGISTRY)
+UPSTREAM_ERRORS = Counter(
+    "epd_upstream_errors_total", "Failed upstream calls of client requests, by instance and "
+    "error code.", ["stage", "instance", "kind"], registry=_REGISTRY)
+PROBE_FAILURES = Counter("epd_probe_failures_total", "Failed /health probes (per worker).",
+                         ["role", "instance"], registry=_REGISTRY)
+EVICTIONS = Counter("epd_evictions_total", "Instances evicted (each worker decides for itself).",
+                    ["role", "instance"], registry=_REGISTRY)
+REJOINS = Counter("epd_rejoins_total", "Evicted instances that rejoined (per worker).",
+                  ["role", "instance"], registry=_REGISTRY)
+RELOADS = Counter("epd_roster_reloads_total", "Roster reloads, applied (ok) or refused "
+                  "(rejected).", ["result"], registry=_REGISTRY)
+IN_FLIGHT = Gauge("epd_upstream_in_flight", "Upstream calls open right now, per instance.",
+                  ["role", "instance"], multiprocess_mode="livesum", registry=_REGISTRY)
+INSTANCES = Gauge("epd_instances", "Roster instances per role that are live or evicted (the "
+                  "latest view any worker reported).", ["role", "state"],
+                  multiprocess_mode="livemostrecent", registry=_REGISTRY)
+INSTANCE_LIVE = Gauge("epd_instance_live", "1 while the instance is live, 0 while evicted.",
+                      ["role", "instance"], multiprocess_mode="livemostrecent",
+                      registry=_REGISTRY)
+PROBE_OK = Gauge("epd_instance_last_probe_ok", "1 if the latest /health probe passed.",
+                 ["role", "instance"], multiprocess_mode="livemostrecent", registry=_REGISTRY)
+PROBE_LATENCY = Gauge("epd_instance_last_probe_latency_seconds",
+                      "How long the latest /health probe took.", ["role", "instance"],
+                      multiprocess_mode="livemostrecent", registry=_REGISTRY)
+PROBE_TIME = Gauge("epd_instance_last_probe_timestamp_seconds",
+                   "When the latest /health probe ended (Unix time).", ["role", "instance"],
+                   multiprocess_mode="livemostrecent", registry=_REGISTRY)
+
+
+CLIENT_IN_FLIGHT = Gauge(
+    "epd_requests_in_flight", "Client requests being served right now (streams included).",
+    multiprocess_mode="livesum", registry=_REGISTRY)
+IN_FLIGHT_LIMIT = Gauge(
+    "epd_requests_in_flight_limit", "The per-worker cap on client requests in flight "
+    "(EPD_MAX_IN_FLIGHT); past it requests get 503 overloaded.",
+    multiprocess_mode="livemax", registry=_REGISTRY)
+REFUSED = Counter("epd_requests_refused_total", "Client requests refused before they started, "
+                  "by reason (overloaded: the worker was at its in-flight cap).", ["reason"],
+                  registry=_REGISTRY)
+ENDED_BY_SHUTDOWN = Counter(
+    "epd_requests_ended_by_shutdown_total", "Requests a stopping worker ended (with an "
+    "in-band error, or a 503) because they outlived its grace period.", registry=_REGISTRY)
+
+
+def route_label(path: str) -> str:
+    """A free-form path never becomes a label: anything but a completion route is one value."""
+    return path if path in KNOWN_ROUTES else OTHER_ROUTE
+
+
+class MetricsObserver(Observer):
+    """Turns serving-path events into metric updates (see events.py)."""
+
+    def __init__(self) -> None:
+        # Every URL any roster of this process listed: the only allowed instance labels.
+        self.known: set[str] = set()
+        self.roles_seen: set[str] = set()
+
+    def instance_label(self, url: str | None) -> str:
+        if url and "," in url and all(u in self.known for u in url.split(",")):
+            return SEVERAL_INSTANCES
+        return url if url in self.known else NO_INSTANCE
+
+    def request_finished(self, ctx: RequestContext) -> None:
+        route = route_label(ctx.route)
+        REQUESTS.labels(route, str(ctx.status or 0)).inc()
+        served_by = self.instance_label(ctx.instances.get("decode"))
+        for stage, ms in ctx.timings.items():
+            seconds = ms / 1000.0
+            if stage == TOTAL:
+                DURATION_SECONDS.labels(route, served_by).observe(seconds)
+            elif stage == FIRST_BYTE:
+                FIRST_BYTE_SECONDS.labels(route, served_by).observe(seconds)
+            else:
+                role = stage.split("_", 1)[0]
+                STAGE_SECONDS.labels(stage, self.instance_label(ctx.instances.get(role))).observe(
+                    seconds)
+        if ctx.chunks:
+            CHUNKS.labels(route, served_by).inc(ctx.chunks)
+        if ctx.bytes_out:
+            BYTES.labels(route).inc(ctx.bytes_out)
+
+    def upstream_opened(self, role: str, url: str) -> None:
+        IN_FLIGHT.labels(role, self.instance_label(url)).inc()
+
+    def upstream_closed(self, role: str, url: str) -> None:
+        IN_FLIGHT.labels(role, self.instance_label(url)).dec()
+
+    def upstream_error(self, stage: str, url: str, kind: str) -> None:
+        UPSTREAM_ERRORS.labels(stage, self.instance_label(url), kind).inc()
+
+    def retry(self, stage: str, cause: str) -> None:
+        RETRIES.labels(stage, cause).inc()
+
+    def probe(self, role: str, url: str, ok: bool, latency: float) -> None:
+        instance = self.instance_label(url)
+        if not ok:
+            PROBE_FAILURES.labels(role, instance).inc()
+        PROBE_OK.labels(role, instance).set(1 if ok else 0)
+        PROBE_LATENCY.labels(role, instance).set(latency)
+        PROBE_TIME.labels(role, instance).set(time.time())
+
+    def evicted(self, role: str, url: str) -> None:
+        EVICTIONS.labels(role, self.instance_label(url)).inc()
+
+    def rejoined(self, role: str, url: str) -> None:
+        REJOINS.labels(role, self.instance_label(url)).inc()
+
+    def fleet(self, entries: Sequence[FleetEntry]) -> None:
+        self.known.update(e.url for e in entries)
+        counts: dict[str, list[int]] = {role: [0, 0] for role in self.roles_seen}
+        for e in entries:
+            counts.setdefault(e.role, [0, 0])[0 if e.live else 1] += 1
+            INSTANCE_LIVE.labels(e.role, e.url).set(1 if e.live else 0)
+        for role, (live, evicted) in counts.items():
+            INSTANCES.labels(role, "live").set(live)
+            INSTANCES.labels(role, "evicted").set(evicted)
+        self.roles_seen.update(counts)
+
+    def reload(self, ok: bool) -> None:
+        record_reload(ok)
+
+    def load(self, in_flight: int, limit: int) -> None:
+        CLIENT_IN_FLIGHT.set(in_flight)
+        IN_FLIGHT_LIMIT.set(limit)
+
+    def refused(self, reason: str) -> None:
+        REFUSED.labels(reason).inc()
+
+    def ended_by_shutdown(self, count: int) -> None:
+        ENDED_BY_SHUTDOWN.inc(count)
+
+
+OBSERVER = MetricsObserver()
+
+
+def install() -> None:
+    """Subscribe the metrics to the serving path's events (idempotent)."""
+    bus.subscribe(OBSERVER)
+
+
+def record_reload(ok: bool) -> None:
+    """For the roster reload: count one applied (``ok``) or refused reload."""
+    RELOADS.labels("ok" if ok else "rejected").inc()
+
+
+def _collecting_registry() -> CollectorRegistry:
+    if _REGISTRY is not None:
+        return _REGISTRY
+    registry = CollectorRegistry()
+    prom_multiprocess.MultiProcessCollector(registry)
+    return registry
+
+
+def exposition() -> bytes:
+    """The ``/metrics`` body: every worker's values summed (or this process's, alone)."""
+    return generate_latest(_collecting_registry())
+
+
+Key = tuple[str, tuple[tuple[str, str], ...]]
+
+
+@dataclass
+class Snapshot:
+    """Every sample of one collection, keyed by sample name and sorted labels."""
+
+    taken: float
+    values: dict[Key, float]
+
+    def series(self, name: str) -> Iterator[tuple[dict[str, str], float]]:
+        for (sample, labels), value in self.values.items():
+            if sample == name:
+                yield dict(labels), value
+
+
+def snapshot() -> Snapshot:
+    values: dict[Key, float] = {}
+    for family in _collecting_registry().collect():
+        for s in family.samples:
+            if s.name.endswith("_created"):
+                continue
+            values[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return Snapshot(time.monotonic(), values)
+
+
+class History:
+    """Snapshots of the last few minutes, so /status can show rates and percentiles over a
+    recent window instead of since the start. One sampling greenlet per worker."""
+
+    def __init__(self, interval: float = SAMPLE_INTERVAL_SECONDS,
+                 window: float = STATUS_WINDOW_SECONDS) -> None:
+        self.interval = interval
+        self.window = window
+        self._samples: deque[Snapshot] = deque()
+        self._loop = Periodic("metrics sample", self.sample, lambda: self.interval)
+
+    def start(self) -> None:
+        self._loop.start()
+
+    def stop(self) -> None:
+        self._loop.stop()
+
+    def sample(self) -> Snapshot:
+        snap = snapshot()
+        self._samples.append(snap)
+        while len(self._samples) > 1 and snap.taken - self._samples[1].taken >= self.window:
+            self._samples.popleft()
+        return snap
+
+    def baseline(self, now: Snapshot) -> Snapshot | None:
+        """The oldest kept sample within the window before ``now`` (None: nothing older)."""
+        for snap in self._samples:
+            if snap is not now and now.taken - snap.taken <= self.window + self.interval:
+                return snap
+        return None
+
+

@@ -1,0 +1,292 @@
+"""The ``/status`` page: what it shows, computed from two metric snapshots (now and a few
+minutes ago, the same samples ``/metrics`` exposes), and its HTML.
+
+Plain HTML with inline style and no external assets, laid out as headings and tables so it
+reads in a terminal browser (w3m, lynx) too; state is written out in words, not only colours.
+"""
+
+from __future__ import annotations
+
+import html
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from epd_flask.core.events import FleetEntry
+from epd_flask.observe.metrics import Snapshot
+
+ROLE_ORDER = ("encode", "prefill", "decode", "prefill_decode")
+STAGE_ORDER = ("encode", "rewrite", "prefill", "decode_first_byte")
+REFRESH_SECONDS = 5
+
+Rows = list[tuple[dict[str, str], float]]
+
+
+def delta(now: Snapshot, then: Snapshot | None, name: str) -> Rows:
+    """Each series' growth since ``then`` (everything since start when there is no ``then``)."""
+    out = []
+    for labels, value in now.series(name):
+        before = 0.0
+        if then is not None:
+            before = then.values.get((name, tuple(sorted(labels.items()))), 0.0)
+        out.append((labels, value - before if value >= before else value))
+    return out
+
+
+def summed(rows: Rows, by: Sequence[str]) -> dict[tuple[str, ...], float]:
+    out: dict[tuple[str, ...], float] = {}
+    for labels, value in rows:
+        key = tuple(labels.get(name, "") for name in by)
+        out[key] = out.get(key, 0.0) + value
+    return out
+
+
+def buckets(rows: Rows, by: Sequence[str]) -> dict[tuple[str, ...], list[tuple[float, float]]]:
+    """Cumulative bucket counts summed over every label not in ``by``."""
+    grouped: dict[tuple[str, ...], dict[float, float]] = {}
+    for labels, value in rows:
+        per_le = grouped.setdefault(tuple(labels.get(name, "") for name in by), {})
+        le = float(labels["le"])
+        per_le[le] = per_le.get(le, 0.0) + value
+    return {key: sorted(per_le.items()) for key, per_le in grouped.items()}
+
+
+def quantile(q: float, cumulative: Sequence[tuple[float, float]]) -> float | None:
+    """Prometheus' ``histogram_quantile``: linear interpolation inside the bucket that holds
+    the rank; None without observations."""
+    ordered = sorted(cumulative)
+    if not ordered or ordered[-1][1] <= 0:
+        return None
+    rank = q * ordered[-1][1]
+    lower, below = 0.0, 0.0
+    for upper, count in ordered:
+        if count >= rank:
+            if upper == float("inf"):
+                return lower
+            if count == below:
+                return upper
+            return lower + (upper - lower) * (rank - below) / (count - below)
+        lower, below = upper, count
+    return lower
+
+
+@dataclass
+class Latency:
+    name: str
+    count: float
+    p50: float | None
+    p99: float | None
+    detail: list[Latency] = field(default_factory=list)
+
+
+@dataclass
+class InstanceRow:
+    role: str
+    url: str
+    live: bool
+    probe_ok: bool | None
+    probe_age: float | None
+    probe_latency: float | None
+    in_flight: float
+    calls: float
+    errors: float
+
+
+@dataclass
+class Status:
+    window: float | None  # seconds the numbers cover; None: since the process started
+    ready: str
+    instances: list[InstanceRow]
+    requests: list[tuple[str, str, float]]
+    latencies: list[Latency]
+    chunks: float
+    counters: list[tuple[str, list[tuple[str, float]]]]
+    generated: float = field(default_factory=time.time)
+    pid: int = field(default_factory=os.getpid)
+
+
+def _latencies(now: Snapshot, then: Snapshot | None) -> list[Latency]:
+    out = []
+    stage_rows = delta(now, then, "epd_stage_duration_seconds_bucket")
+    by_stage = buckets(stage_rows, ["stage"])
+    by_instance = buckets(stage_rows, ["stage", "instance"])
+    names = [s for s in STAGE_ORDER if (s,) in by_stage]
+    names += sorted(k[0] for k in by_stage if k[0] not in STAGE_ORDER)
+    for stage in names:
+        row = _latency(stage, by_stage[(stage,)])
+        row.detail = [_latency(instance or "(no instance)", b)
+                      for (s, instance), b in sorted(by_instance.items()) if s == stage]
+        if all(d.name == "(no instance)" for d in row.detail):
+            row.detail = []  # a proxy-side step (rewrite): the stage row says it all
+        out.append(row)
+    for name, label in (("epd_request_first_byte_seconds_bucket", "first byte (end to end)"),
+                        ("epd_request_duration_seconds_bucket", "total (end to end)")):
+        total = buckets(delta(now, then, name), [])
+        if () in total:
+            out.append(_latency(label, total[()]))
+    return out
+
+
+def _latency(name: str, cumulative: list[tuple[float, float]]) -> Latency:
+    count = cumulative[-1][1] if cumulative else 0.0
+    return Latency(name, count, quantile(0.5, cumulative), quantile(0.99, cumulative))
+
+
+def build(now: Snapshot, then: Snapshot | None, fleet: Sequence[FleetEntry],
+          ready: str) -> Status:
+    """The page's content from the newest snapshot, an older one and this worker's roster."""
+    gauge = {name: summed(list(now.series(name)), ["instance"]) for name in (
+        "epd_instance_live", "epd_instance_last_probe_ok",
+        "epd_instance_last_probe_latency_seconds", "epd_instance_last_probe_timestamp_seconds",
+        "epd_upstream_in_flight")}
+    calls = summed(delta(now, then, "epd_stage_duration_seconds_count"), ["instance"])
+    errors = summed(delta(now, then, "epd_upstream_errors_total"), ["instance"])
+    wall = time.time()
+    rows = []
+    for e in sorted(fleet, key=lambda e: (_role_rank(e.role), e.url)):
+        key = (e.url,)
+        live = gauge["epd_instance_live"].get(key)
+        probed = gauge["epd_instance_last_probe_timestamp_seconds"].get(key)
+        ok = gauge["epd_instance_last_probe_ok"].get(key)
+        rows.append(InstanceRow(
+            e.role, e.url, e.live if live is None else live >= 1,
+            None if ok is None else ok >= 1,
+            None if probed is None else max(0.0, wall - probed),
+            gauge["epd_instance_last_probe_latency_seconds"].get(key),
+            gauge["epd_upstream_in_flight"].get(key, 0.0),
+            calls.get(key, 0.0), errors.get(key, 0.0)))
+    requests = sorted((route, status, n) for (route, status), n in summed(
+        delta(now, then, "epd_requests_total"), ["route", "status"]).items() if n > 0)
+    counters = []
+    for title, name, by in (
+            ("Retries by stage and cause", "epd_retries_total", ["stage", "cause"]),
+            ("Upstream errors by instance and kind", "epd_upstream_errors_total",
+             ["instance", "stage", "kind"]),
+            ("Probe failures", "epd_probe_failures_total", ["instance"]),
+            ("Evictions", "epd_evictions_total", ["instance"]),
+            ("Rejoins", "epd_rejoins_total", ["instance"]),
+            ("Roster reloads", "epd_roster_reloads_total", ["result"])):
+        items = [(" ".join(k), n) for k, n in sorted(summed(delta(now, then, name), by).items())
+                 if n > 0]
+        counters.append((title, items))
+    chunks = sum(n for _, n in delta(now, then, "epd_streamed_chunks_total"))
+    window = None if then is None else now.taken - then.taken
+    return Status(window, ready, rows, requests, _latencies(now, then), chunks, counters)
+
+
+def _role_rank(role: str) -> int:
+    return ROLE_ORDER.index(role) if role in ROLE_ORDER else len(ROLE_ORDER)
+
+
+# -- rendering ---------------------------------------------------------------------------------
+
+STYLE = """
+body{font-family:monospace;margin:1em 2em;color:#111;background:#fff}
+table{border-collapse:collapse;margin:.3em 0 1em}
+th,td{border:1px solid #bbb;padding:.15em .6em;text-align:right}
+th{background:#eee}td.l,th.l{text-align:left}
+.live{color:#060;font-weight:bold}.evicted{color:#b00;font-weight:bold}
+.sub td.l{padding-left:1.5em;color:#444}
+"""
+
+
+def render(status: Status) -> str:
+    e = html.escape
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(status.generated))
+    if status.window is None:
+        span = "since this worker started (no older sample yet)"
+    else:
+        span = f"over the last {status.window:.0f} s"
+    out = [
+        "<!DOCTYPE html><html><head><meta charset=\"utf-8\">",
+        f"<meta http-equiv=\"refresh\" content=\"{REFRESH_SECONDS}\">",
+        f"<title>epd-flask status</title><style>{STYLE}</style></head><body>",
+        "<h1>epd-flask status</h1>",
+        f"<p>Generated {e(when)} by worker {status.pid}. Ready: <b>{e(status.ready)}</b>. "
+        f"Counts and rates are {e(span)}, summed over all workers.</p>",
+        "<h2>Instances</h2>",
+    ]
+    roles = []
+    for row in status.instances:
+        if row.role not in roles:
+            roles.append(row.role)
+    if not roles:
+        out.append("<p>The roster is empty.</p>")
+    for role in roles:
+        rows = [r for r in status.instances if r.role == role]
+        live = sum(r.live for r in rows)
+        out.append(f"<h3>{e(role)}: {live} live, {len(rows) - live} evicted</h3>")
+        out.append("<table><tr><th class=\"l\">instance</th><th class=\"l\">state</th>"
+                   "<th class=\"l\">last probe</th><th>probe latency</th><th>in flight</th>"
+                   "<th>calls</th><th>errors</th></tr>")
+        for r in rows:
+            state = "LIVE" if r.live else "EVICTED"
+            if r.probe_ok is None:
+                probe = "not yet"
+            else:
+                probe = f"{'ok' if r.probe_ok else 'FAILED'}, {_age(r.probe_age)}"
+            out.append(
+                f"<tr><td class=\"l\">{e(r.url)}</td>"
+                f"<td class=\"l {state.lower()}\">{state}</td><td class=\"l\">{e(probe)}</td>"
+                f"<td>{_ms(r.probe_latency)}</td><td>{r.in_flight:.0f}</td>"
+                f"<td>{r.calls:.0f}</td><td>{r.errors:.0f}</td></tr>")
+        out.append("</table>")
+    out.append("<h2>Requests</h2>")
+    if status.requests:
+        out.append("<table><tr><th class=\"l\">route</th><th>status</th><th>requests</th>"
+                   "<th>per second</th></tr>")
+        for route, code, n in status.requests:
+            out.append(f"<tr><td class=\"l\">{e(route)}</td><td>{e(code)}</td><td>{n:.0f}</td>"
+                       f"<td>{_rate(n, status.window)}</td></tr>")
+        out.append("</table>")
+    else:
+        out.append("<p>No requests.</p>")
+    out.append(f"<p>Streamed chunks (about one per token): {status.chunks:.0f}, "
+               f"{_rate(status.chunks, status.window)} per second.</p>")
+    out.append("<h2>Latency by stage</h2>")
+    if status.latencies:
+        out.append("<table><tr><th class=\"l\">stage / instance</th><th>count</th>"
+                   "<th>per second</th><th>p50</th><th>p99</th></tr>")
+        for lat in status.latencies:
+            out.append(_latency_row(lat, status.window, ""))
+            out.extend(_latency_row(d, status.window, " class=\"sub\"", "&nbsp;&nbsp;")
+                       for d in lat.detail)
+        out.append("</table>")
+    else:
+        out.append("<p>No timed stages.</p>")
+    for title, items in status.counters:
+        out.append(f"<h2>{e(title)}</h2>")
+        if not items:
+            out.append("<p>None.</p>")
+            continue
+        out.append("<table>")
+        out.extend(f"<tr><td class=\"l\">{e(k)}</td><td>{n:.0f}</td></tr>" for k, n in items)
+        out.append("</table>")
+    out.append("<p>Machine-readable: <a href=\"/metrics\">/metrics</a>.</p></body></html>")
+    return "\n".join(out)
+
+
+def _latency_row(lat: Latency, window: float | None, cls: str, indent: str = "") -> str:
+    return (f"<tr{cls}><td class=\"l\">{indent}{html.escape(lat.name)}</td>"
+            f"<td>{lat.count:.0f}</td>"
+            f"<td>{_rate(lat.count, window)}</td><td>{_ms(lat.p50)}</td>"
+            f"<td>{_ms(lat.p99)}</td></tr>")
+
+
+def _ms(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds >= 10:
+        return f"{seconds:.1f} s"
+    return f"{seconds * 1000:.1f} ms"
+
+
+def _rate(n: float, window: float | None) -> str:
+    if not window:
+        return "-"
+    return f"{n / window:.2f}"
+
+
+def _age(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.0f} s ago"

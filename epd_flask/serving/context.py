@@ -1,0 +1,188 @@
+"""One client request's identity and bookkeeping, carried through every stage, and the one log
+line written from it.
+
+Plain data: the pipeline opens and closes upstream legs and records stage timings, the relay
+adds what it streamed, and ``finish`` writes the request's log line (logfmt or JSON, a process
+setting) and tells the observers, exactly once, whichever path ends the request.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+from epd_flask.control.config import LOG_FORMATS
+from epd_flask.core.errors import ProxyError
+from epd_flask.core.events import bus
+
+logger = logging.getLogger("epd_flask.requests")
+upstream_logger = logging.getLogger("epd_flask.upstream")
+
+FIRST_BYTE = "first_byte"
+TOTAL = "total"
+
+
+@dataclass
+class LogSettings:
+    format: str = "logfmt"
+    # One line per upstream call: useful when chasing a bad instance, too chatty for the hot
+    # path, so off unless asked for.
+    upstream_calls: bool = False
+
+
+SETTINGS = LogSettings()
+
+
+def configure(log_format: str = "logfmt", upstream_calls: bool = False) -> None:
+    if log_format not in LOG_FORMATS:
+        raise ValueError(f"log format must be one of {', '.join(LOG_FORMATS)}, got "
+                         f"{log_format!r}")
+    SETTINGS.format = log_format
+    SETTINGS.upstream_calls = upstream_calls
+
+
+@dataclass
+class Leg:
+    """One upstream call of the request, open from the send until its answer is consumed."""
+
+    stage: str
+    role: str
+    url: str
+    started: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class RequestContext:
+    request_id: str
+    route: str
+    upstream_headers: dict[str, str]
+    started: float = field(default_factory=time.monotonic)
+    timings: dict[str, float] = field(default_factory=dict)
+    instances: dict[str, str] = field(default_factory=dict)
+    failed: set[str] = field(default_factory=set)
+    legs: list[Leg] = field(default_factory=list)
+    retries: int = 0
+    chunks: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    status: int | None = None
+    error: str | None = None
+    # Asks the server whether the client already hung up (it can tell, gunicorn's gevent
+    # worker can); without one, a departure is noticed at the first write.
+    client_gone: Callable[[], bool] = field(default=lambda: False, repr=False)
+    _logged: bool = False
+
+    def mark(self, name: str, since: float) -> None:
+        """Record a stage's duration in milliseconds."""
+        self.timings[name] = round((time.monotonic() - since) * 1000.0, 3)
+
+    def relayed(self, nbytes: int, events: int = 1) -> None:
+        """Bytes (whole SSE events, or a raw piece) went to the client; the first are timed."""
+        if FIRST_BYTE not in self.timings:
+            self.mark(FIRST_BYTE, self.started)
+        self.chunks += events
+        self.bytes_out += nbytes
+
+    def retry(self, err: ProxyError) -> None:
+        self.retries += 1
+        bus.retry(err.stage or "unknown", err.code)
+
+    def leg_open(self, stage: str, role: str, url: str) -> None:
+        self.legs.append(Leg(stage, role, url))
+        bus.upstream_opened(role, url)
+
+    def leg_close(self, stage: str, url: str, status: int | None = None,
+                  error: ProxyError | None = None) -> None:
+        """End the oldest open leg of ``stage`` to ``url``; a failure counts against it."""
+        for i, leg in enumerate(self.legs):
+            if leg.stage == stage and leg.url == url:
+                del self.legs[i]
+                break
+        else:
+            return
+        bus.upstream_closed(leg.role, leg.url)
+        if error is not None:
+            bus.upstream_error(stage, url, error.code)
+        if SETTINGS.upstream_calls:
+            ms = round((time.monotonic() - leg.started) * 1000.0, 3)
+            outcome = f"error={_logfmt_value(error.message)}" if error else f"status={status}"
+            upstream_logger.info("request_id=%s stage=%s role=%s instance=%s ms=%s %s",
+                                 self.request_id, stage, leg.role, url, ms, outcome)
+
+    def finish(self, status: int | None = None, error: str | ProxyError | None = None) -> None:
+        """Write the request's single log line and tell the observers, once, whichever path
+        ends it; upstream legs still open end here."""
+        if self._logged:
+            return
+        self._logged = True
+        if status is not None:
+            self.status = status
+        failure = error if isinstance(error, ProxyError) else None
+        if failure is not None:
+            self.error = failure.message
+        elif error is not None:
+            self.error = error
+        ok = self.status is not None and self.status < 400
+        if ok and self.bytes_out and FIRST_BYTE not in self.timings:
+            self.mark(FIRST_BYTE, self.started)  # a whole body sent at once
+        self.mark(TOTAL, self.started)
+        for leg in list(self.legs):
+            blamed = failure if failure is not None and failure.stage == leg.stage else None
+            self.leg_close(leg.stage, leg.url, status=self.status, error=blamed)
+        if logger.isEnabledFor(logging.INFO):  # no formatting cost when nobody reads it
+            logger.info("%s", self.log_line())
+        bus.request_finished(self)
+
+    def log_line(self) -> str:
+        if SETTINGS.format == "json":
+            return json.dumps(self._log_doc(), separators=(",", ":"))
+        return " ".join(f"{k}={_logfmt_value(v)}" for k, v in self._log_fields())
+
+    def _log_fields(self) -> list[tuple[str, object]]:
+        fields: list[tuple[str, object]] = [
+            ("request_id", self.request_id), ("route", self.route), ("status", self.status)]
+        fields += list(self.instances.items())
+        fields += [(f"{k}_ms", v) for k, v in self.timings.items()]
+        fields += [("retries", self.retries), ("chunks", self.chunks),
+                   ("bytes", self.bytes_out)]
+        rate = self.chunks_per_second()
+        if rate is not None:
+            fields.append(("chunks_per_s", rate))
+        if self.error:
+            fields.append(("error", self.error))
+        return fields
+
+    def _log_doc(self) -> dict[str, object]:
+        doc: dict[str, object] = {
+            "ts": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
+            "pid": os.getpid(),  # which worker: a bare JSON line has no log prefix
+            "request_id": self.request_id, "route": self.route, "status": self.status,
+            "instances": dict(self.instances), "timings_ms": dict(self.timings),
+            "retries": self.retries, "chunks": self.chunks, "bytes": self.bytes_out,
+        }
+        rate = self.chunks_per_second()
+        if rate is not None:
+            doc["chunks_per_s"] = rate
+        if self.error:
+            doc["error"] = self.error
+        return doc
+
+    def chunks_per_second(self) -> float | None:
+        """Streamed events per second after the first one: the decode's token rate as the
+        client saw it (vLLM writes one event per token)."""
+        first, total = self.timings.get(FIRST_BYTE), self.timings.get(TOTAL)
+        if self.chunks < 2 or first is None or total is None or total <= first:
+            return None
+        return round((self.chunks - 1) / ((total - first) / 1000.0), 1)
+
+
+def _logfmt_value(value: object) -> str:
+    text = "" if value is None else str(value)
+    if text and not any(c in text for c in ' "=\\') and text.isprintable():
+        return text
+    return json.dumps(text)

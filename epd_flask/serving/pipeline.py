@@ -1,0 +1,339 @@
+"""One request's journey: route, prefill, open decode, hand the answer to the relay.
+
+Everything that can fail before the client sees a status line happens here, so it can still be
+retried (P4) or turned into a proper error response. Nothing here knows about Flask. The
+connector shapes the legs and says how they run: prefill drained before decode opens
+(``_sequential_legs``), or both at once (``_concurrent_legs``, Mooncake).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from epd_flask.control.roster import Instance, Roster
+from epd_flask.core import jsoncodec
+from epd_flask.core.errors import (
+    BackendError,
+    BackendStatus,
+    BackendUnavailable,
+    ClientDisconnected,
+    ProxyError,
+    StreamInterrupted,
+)
+from epd_flask.core.headers import REQUEST_ID_HEADER, client_headers
+from epd_flask.fleet.registry import Registry
+from epd_flask.fleet.routing import Router
+from epd_flask.serving import legs, relay, usage
+from epd_flask.serving.connectors import Connector, Leg, Route
+from epd_flask.serving.context import RequestContext
+from epd_flask.serving.encode_stage import EncodeStage
+from epd_flask.serving.fanout import Fanout
+from epd_flask.serving.legs import Call
+from epd_flask.upstream.transport import Transport, Upstream, encode_json
+
+logger = logging.getLogger(__name__)
+
+STREAM_HEADERS = (("Cache-Control", "no-cache"), ("X-Accel-Buffering", "no"))
+#: How often a request waiting on concurrent legs asks whether its client is still there.
+CLIENT_CHECK_INTERVAL = 0.1
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: list[tuple[str, str]]
+    body: Iterable[bytes] | bytes
+
+
+class Pipeline:
+    def __init__(self, roster: Roster, registry: Registry, router: Router,
+                 transport: Transport, connector: Connector) -> None:
+        self.roster = roster
+        self.registry = registry
+        self.router = router
+        self.transport = transport
+        self.connector = connector
+        # Per-worker tallies of what went wrong beside the client's view (shown on /health).
+        self.counters: Counter[str] = Counter()
+        self.encode = EncodeStage(router, registry, Fanout(transport, registry, self.counters))
+
+    @property
+    def decode_role(self) -> str:
+        return "prefill_decode" if self.roster.combined else "decode"
+
+    def ready(self) -> tuple[bool, str]:
+        """Can a completion be served right now? (readiness, not liveness: it counts only
+        instances that answered a probe, so a fresh worker is ready after its first round)"""
+        if self.roster.combined:
+            if self.registry.confirmed("prefill_decode"):
+                return True, "ok"
+            return False, "no live prefill_decode instance"
+        if not self.registry.confirmed("decode"):
+            return False, "no live decode instance"
+        if not self.registry.confirmed("prefill"):
+            return False, "no live prefill instance"
+        return self.connector.ready()
+
+    def completion(self, path: str, body: dict[str, Any], ctx: RequestContext) -> Reply:
+        """Serve /v1/completions or /v1/chat/completions, retrying before the first byte."""
+        attempts = self.roster.settings.decode_retries + 1
+        for attempt in range(attempts):
+            try:
+                return self._attempt(path, body, ctx)
+            except ProxyError as err:
+                if not err.retryable or attempt + 1 >= attempts:
+                    raise
+                # Failover (P4): nothing reached the client yet, and the failed instance is in
+                # ctx.failed, so routing prefers another live one of its role next time.
+                ctx.retry(err)
+                self.counters[f"retried_{err.stage or 'unknown'}"] += 1
+                logger.warning("request %s: attempt %d of %d failed at %s on %s (%s); retrying "
+                               "on another instance", ctx.request_id, attempt + 1, attempts,
+                               err.stage, err.instance, err)
+        raise AssertionError("unreachable")
+
+    def passthrough(self, method: str, path: str, query: str, body: bytes | None,
+                    content_type: str | None, ctx: RequestContext) -> Reply:
+        """Any other route goes to a decode-side instance unchanged (T2)."""
+        target = self.router.pick(self.decode_role)
+        ctx.instances["decode"] = target.url
+        headers = dict(ctx.upstream_headers)
+        if content_type:
+            headers["Content-Type"] = content_type
+        url = target.url + path + (f"?{query}" if query else "")
+        resp = self._send(target, "decode", method, url, ctx, headers=headers, body=body,
+                          read_timeout=self.roster.settings.decode_timeout,
+                          chunk_timeout=self.roster.settings.decode_chunk_timeout)
+        return self._reply(resp, ctx, stream=True)
+
+    def _attempt(self, path: str, body: dict[str, Any], ctx: RequestContext) -> Reply:
+        # Every attempt encodes again from the client's body (P4): the consumer is chosen
+        # first because the encoders may have to push to it (R4).
+        if self.roster.combined:
+            target = self.router.pick("prefill_decode", exclude=frozenset(ctx.failed))
+            staged = self.encode.run(body, ctx, target, self.roster.settings)
+            return self._open_decode(target, path, Leg(staged.body, staged.consumer_headers),
+                                     ctx)
+        # Decode is chosen first: with no decode alive, prefill work would be wasted.
+        decode = self.router.pick("decode", exclude=frozenset(ctx.failed))
+        route = self.connector.route(decode, ctx.request_id, ctx.retries, frozenset(ctx.failed))
+        body = self.encode.run(body, ctx, route.prefill.instance, self.roster.settings).body
+        if self.connector.concurrent:
+            return self._concurrent_legs(route, path, body, ctx)
+        return self._sequential_legs(route, path, body, ctx)
+
+    # -- prefill, then decode (nixl, none, p2p_nccl) ----------------------------------------
+
+    def _sequential_legs(self, route: Route, path: str, body: dict[str, Any],
+                         ctx: RequestContext) -> Reply:
+        try:
+            answer = self._prefill(route, path, self.connector.prefill_leg(body, route), ctx)
+        except BackendError as err:
+            if not self._recompute_instead(err, route, ctx):
+                raise
+            answer = None
+        leg = self.connector.decode_leg(body, route, answer)
+        return self._open_decode(route.decode, path, leg, ctx,
+                                 cached_tokens=usage.prefill_cached_tokens(answer))
+
+    def _recompute_instead(self, err: BackendError, route: Route, ctx: RequestContext) -> bool:
+        """Whether a failed prefill leg may be replaced by decode recomputing the prompt.
+
+        Never for a 4xx (the request itself is wrong; decode would refuse it too), and never
+        for connectors whose decode waits for KV instead of recomputing.
+        """
+        if (self.roster.settings.prefill_failure != "recompute" or not self.connector.recomputes
+                or (isinstance(err, BackendStatus) and err.status < 500)):
+            return False
+        self.counters["prefill_recomputed"] += 1
+        logger.warning("request %s: prefill %s failed (%s); decode recomputes the prompt",
+                       ctx.request_id, route.prefill.instance.url, err)
+        return True
+
+    def _prefill(self, route: Route, path: str, leg: Leg,
+                 ctx: RequestContext) -> dict[str, Any] | None:
+        target = route.prefill.instance
+        ctx.instances["prefill"] = target.url
+        started = time.monotonic()
+        try:
+            resp = self._post(target, "prefill", path, leg, ctx,
+                              self.roster.settings.prefill_timeout)
+            self._check(resp, target, "prefill", ctx)
+            try:
+                raw = self.transport.read_body(resp, "prefill")
+            except ProxyError as err:
+                ctx.leg_close("prefill", target.url, error=err)
+                raise
+        except ProxyError:
+            self.counters["prefill_failures"] += 1
+            raise
+        ctx.leg_close("prefill", target.url, status=resp.status_code)
+        ctx.mark("prefill", started)
+        try:
+            answer = jsoncodec.loads(raw)
+        except ValueError:
+            raise BackendError(f"prefill instance {target.url} answered non-JSON",
+                               stage="prefill", instance=target.url) from None
+        return answer if isinstance(answer, dict) else None
+
+    # -- prefill and decode at once (mooncake) ----------------------------------------------
+
+    def _concurrent_legs(self, route: Route, path: str, body: dict[str, Any],
+                         ctx: RequestContext) -> Reply:
+        """Both legs start now; the request waits for decode's first byte.
+
+        Until that byte, a failed prefill closes decode (it would wait for KV that never
+        comes), a failed decode closes prefill, and a client that hangs up closes both. After
+        it, decode evidently has its KV: prefill is drained beside the relay, its failure only
+        logged and counted, and the relay ends it with the stream.
+        """
+        prefill: Call[Any] = Call("prefill", self._drain_prefill, route, path,
+                                  self.connector.prefill_leg(body, route), ctx)
+        opening: Call[Any] | None = None
+        try:
+            leg = self.connector.decode_leg(body, route, None)
+            opening = Call("decode", self._open_first_byte, route.decode, path, leg, ctx)
+            while not opening.done:
+                legs.wait_any([opening] if prefill.done else [opening, prefill],
+                              CLIENT_CHECK_INTERVAL)
+                if prefill.failed and not opening.done:
+                    assert prefill.error is not None
+                    raise prefill.error
+                if not opening.done and ctx.client_gone():
+                    raise ClientDisconnected("the client went away before decode answered")
+            if opening.error is not None:
+                raise opening.error
+        except BaseException:
+            if opening is not None:
+                opening.stop()
+            prefill.stop()
+            raise
+        resp, chunks = opening.value
+        return self._reply(resp, ctx, stream=bool(leg.body.get("stream")), chunks=chunks,
+                           side=prefill)
+
+    def _drain_prefill(self, route: Route, path: str, leg: Leg, ctx: RequestContext) -> None:
+        try:
+            self._prefill(route, path, leg, ctx)
+        except ProxyError as err:
+            logger.warning("request %s: prefill %s (rank %s) failed: %s", ctx.request_id,
+                           route.prefill.instance.url, route.prefill.dp_rank, err)
+            raise
+
+    def _open_first_byte(self, target: Instance, path: str, leg: Leg,
+                         ctx: RequestContext) -> tuple[Upstream, Iterator[bytes]]:
+        """Open decode and read its first body bytes: in Mooncake they prove the KV arrived."""
+        ctx.instances["decode"] = target.url
+        started = time.monotonic()
+        resp = self._post(target, "decode", path, leg, ctx,
+                          self.roster.settings.decode_timeout,
+                          chunk_timeout=self.roster.settings.decode_chunk_timeout)
+        try:
+            self._check(resp, target, "decode", ctx)
+            chunks = self.transport.iter_raw(resp, "decode")
+            first = next(chunks, b"")
+        except StreamInterrupted as err:
+            resp.close()
+            ctx.leg_close("decode", target.url, error=err)
+            err.retryable = True  # cut before its first byte: nothing reached the client yet
+            raise
+        except BaseException:
+            resp.close()
+            ctx.leg_close("decode", target.url)  # already closed if its status failed
+            raise
+        ctx.mark("decode_first_byte", started)
+        return resp, itertools.chain((first,), chunks) if first else chunks
+
+    # -- decode's answer to the client ------------------------------------------------------
+
+    def _open_decode(self, target: Instance, path: str, leg: Leg, ctx: RequestContext,
+                     cached_tokens: int = 0) -> Reply:
+        ctx.instances["decode"] = target.url
+        started = time.monotonic()
+        resp = self._post(target, "decode", path, leg, ctx,
+                          self.roster.settings.decode_timeout,
+                          chunk_timeout=self.roster.settings.decode_chunk_timeout)
+        self._check(resp, target, "decode", ctx)
+        ctx.mark("decode_first_byte", started)
+        return self._reply(resp, ctx, stream=bool(leg.body.get("stream")),
+                           cached_tokens=cached_tokens)
+
+    def _reply(self, resp: Upstream, ctx: RequestContext, stream: bool, *,
+               cached_tokens: int = 0, chunks: Iterator[bytes] | None = None,
+               side: Call[Any] | None = None) -> Reply:
+        """The client's reply from decode's response; ``chunks`` continues a body already
+        started, ``side`` is a leg that must end with it, ``cached_tokens`` goes into usage."""
+        ctx.status = resp.status_code
+        headers = client_headers(resp.headers.items())
+        headers.append((REQUEST_ID_HEADER, ctx.request_id))
+        content_type = resp.headers.get("Content-Type", "")
+        if content_type.startswith("text/event-stream"):
+            headers.extend(STREAM_HEADERS)
+            rewrite = partial(usage.rewrite_events, cached=cached_tokens) \
+                if cached_tokens and resp.status_code == 200 else None
+            return Reply(resp.status_code, headers, relay.sse(
+                self.transport, resp, ctx, chunks=chunks, rewrite=rewrite, side=side))
+        if stream:
+            return Reply(resp.status_code, headers,
+                         relay.raw(self.transport, resp, ctx, chunks=chunks, side=side))
+        try:
+            if chunks is None:
+                data = self.transport.read_body(resp, "decode")
+            else:
+                try:
+                    data = b"".join(chunks)
+                finally:
+                    resp.close()
+        except BackendError as err:
+            ctx.leg_close("decode", ctx.instances.get("decode", ""), error=err)
+            err.retryable = True  # nothing reached the client yet, so another try is safe
+            relay.end_side_leg(side, completed=False)
+            raise
+        relay.end_side_leg(side, completed=True)
+        if cached_tokens and resp.status_code == 200:
+            data = usage.rewrite_body(data, cached_tokens)
+        ctx.bytes_out = len(data)
+        ctx.finish(status=resp.status_code)
+        return Reply(resp.status_code, headers, data)
+
+    def _post(self, target: Instance, stage: str, path: str, leg: Leg,
+              ctx: RequestContext, read_timeout: float,
+              chunk_timeout: float | None = None) -> Upstream:
+        headers = dict(ctx.upstream_headers)
+        headers.update(leg.headers)
+        headers["Content-Type"] = "application/json"
+        return self._send(target, stage, "POST", target.url + path, ctx, headers=headers,
+                          body=encode_json(leg.body), read_timeout=read_timeout,
+                          chunk_timeout=chunk_timeout)
+
+    def _send(self, target: Instance, stage: str, method: str, url: str,
+              ctx: RequestContext, *, headers: dict[str, str], body: bytes | None,
+              read_timeout: float, chunk_timeout: float | None = None) -> Upstream:
+        ctx.leg_open(stage, target.role, target.url)
+        try:
+            return self.transport.send(method, url, stage=stage, headers=headers, body=body,
+                                       read_timeout=read_timeout, chunk_timeout=chunk_timeout)
+        except ProxyError as err:
+            ctx.leg_close(stage, target.url, error=err)
+            if isinstance(err, BackendUnavailable):
+                # Passive signal: a refused connection counts like a failed probe.
+                self.registry.record_failure(target.url, str(err))
+                ctx.failed.add(target.url)
+            raise
+
+    def _check(self, resp: Upstream, target: Instance, stage: str,
+               ctx: RequestContext) -> None:
+        try:
+            self.transport.raise_for_status(resp, stage)
+        except ProxyError as err:
+            ctx.leg_close(stage, target.url, error=err)
+            if err.retryable:
+                ctx.failed.add(target.url)
+            raise

@@ -1,0 +1,139 @@
+"""Decode's answer to the client: bytes as they arrive, and an in-band error if it dies.
+
+Once the status line is out, a failure can only be told inside the stream. For SSE the relay
+forwards whole events, all that one read brought in one write (never waiting for more), so an
+error event never lands in the middle of a half-relayed one. The upstream response is closed
+on every exit, including the client going away (the WSGI server closes this generator), which
+is what frees the slot on the instance. A leg still running beside decode (Mooncake's
+prefill) is ended here too: given a moment to finish when decode completed, killed at once
+when the stream ended any other way.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from epd_flask.core import errors
+from epd_flask.core.errors import ProxyError
+from epd_flask.serving.context import RequestContext
+from epd_flask.serving.legs import Call
+from epd_flask.serving.usage import USAGE_KEY
+from epd_flask.upstream.transport import Transport, Upstream
+
+logger = logging.getLogger(__name__)
+
+EVENT_END = b"\n\n"
+#: How long a side leg may still take once decode's answer is complete.
+SIDE_LEG_GRACE = 2.0
+
+
+def end_side_leg(side: Call[Any] | None, completed: bool) -> None:
+    if side is not None:
+        side.stop(SIDE_LEG_GRACE if completed else 0.0)
+
+
+class Relayed:
+    """The body iterable handed to the WSGI server. Its ``close()`` (called by the server
+    when the response ends or the client leaves) releases the upstream even if the generator
+    never started: a generator that was never run skips its own ``finally``."""
+
+    def __init__(self, body: Iterator[bytes], resp: Upstream, ctx: RequestContext,
+                 side: Call[Any] | None) -> None:
+        self._body = body
+        self._resp = resp
+        self._ctx = ctx
+        self._side = side
+
+    def __iter__(self) -> Iterator[bytes]:
+        return self._body
+
+    def close(self) -> None:
+        try:
+            self._body.close()  # type: ignore[attr-defined]
+        finally:
+            # All no-ops when the generator already ran its own cleanup.
+            self._resp.close()
+            end_side_leg(self._side, False)
+            self._ctx.finish(error="client disconnected")
+
+
+def sse(transport: Transport, resp: Upstream, ctx: RequestContext,
+        stage: str = "decode", *, chunks: Iterable[bytes] | None = None,
+        rewrite: Callable[[bytes], bytes] | None = None,
+        side: Call[Any] | None = None) -> Relayed:
+    """Relay whole SSE events; ``chunks`` continues a body already started, ``rewrite`` edits
+    events that carry a usage object (the only ones it is called for), ``side`` is a leg that
+    must end with this stream."""
+    return Relayed(_sse(transport, resp, ctx, stage, chunks, rewrite, side), resp, ctx, side)
+
+
+def raw(transport: Transport, resp: Upstream, ctx: RequestContext,
+        stage: str = "decode", *, chunks: Iterable[bytes] | None = None,
+        side: Call[Any] | None = None) -> Relayed:
+    """Any other body (pass-through), forwarded unframed.
+
+    A failure is re-raised so the server drops the connection without the final chunk: for a
+    body with no in-band error format, truncation the client can detect is the honest signal.
+    """
+    return Relayed(_raw(transport, resp, ctx, stage, chunks, side), resp, ctx, side)
+
+
+def _sse(transport: Transport, resp: Upstream, ctx: RequestContext, stage: str,
+         chunks: Iterable[bytes] | None, rewrite: Callable[[bytes], bytes] | None,
+         side: Call[Any] | None) -> Iterator[bytes]:
+    held = b""
+    completed = False
+    try:
+        for chunk in transport.iter_raw(resp, stage) if chunks is None else chunks:
+            if held:
+                chunk = held + chunk
+                held = b""
+            if not chunk.endswith(EVENT_END):
+                cut = chunk.rfind(EVENT_END)
+                if cut < 0:
+                    held = chunk
+                    continue
+                held = chunk[cut + 2:]
+                chunk = chunk[:cut + 2]
+            if rewrite is not None and USAGE_KEY in chunk:
+                chunk = rewrite(chunk)
+            ctx.relayed(len(chunk), chunk.count(EVENT_END))
+            yield chunk
+        if held:
+            ctx.relayed(len(held), 0)
+            yield held
+        completed = True
+        ctx.finish()
+    except ProxyError as err:
+        logger.warning("request %s: %s stream ended early: %s", ctx.request_id, stage, err)
+        ctx.finish(error=err)
+        yield errors.sse_event(err)
+    except GeneratorExit:
+        ctx.finish(error="client disconnected")
+        raise
+    finally:
+        resp.close()
+        end_side_leg(side, completed)
+
+
+def _raw(transport: Transport, resp: Upstream, ctx: RequestContext, stage: str,
+         chunks: Iterable[bytes] | None, side: Call[Any] | None) -> Iterator[bytes]:
+    completed = False
+    try:
+        for chunk in transport.iter_raw(resp, stage) if chunks is None else chunks:
+            ctx.relayed(len(chunk), 0)
+            yield chunk
+        completed = True
+        ctx.finish()
+    except ProxyError as err:
+        logger.warning("request %s: %s body ended early: %s", ctx.request_id, stage, err)
+        ctx.finish(error=err)
+        raise
+    except GeneratorExit:
+        ctx.finish(error="client disconnected")
+        raise
+    finally:
+        resp.close()
+        end_side_leg(side, completed)

@@ -1,0 +1,350 @@
+"""The only place that talks HTTP to upstream instances.
+
+urllib3 connection pools, one per instance and per worker (built after fork, in the worker),
+called directly: ``requests`` cost two thirds of every upstream call's CPU for features a proxy
+does not use (cookies, hooks, environment proxies, redirects). Explicit timeouts on every call,
+TLS trust from ``tls.py``, connection lifecycle from ``pools.py``, and one mapping from
+transport failures to the error taxonomy. Bodies are left unread so the relay can forward
+bytes as they arrive.
+"""
+
+from __future__ import annotations
+
+import http.client
+import logging
+from collections import OrderedDict
+from collections.abc import Iterator
+from typing import Any
+
+import urllib3
+from urllib3.exceptions import (
+    ConnectTimeoutError,
+    HTTPError,
+    NewConnectionError,
+    ProtocolError,
+    ReadTimeoutError,
+    SSLError,
+)
+from urllib3.util import Retry, Timeout, parse_url
+
+from epd_flask import __version__
+from epd_flask.core import cooperate, jsoncodec
+from epd_flask.core.errors import (
+    BackendError,
+    BackendStatus,
+    BackendTimeout,
+    BackendUnavailable,
+    StreamInterrupted,
+)
+from epd_flask.core.periodic import Periodic
+from epd_flask.upstream import chunked
+from epd_flask.upstream.pools import (
+    Lifecycle,
+    RetiringHTTPConnectionPool,
+    RetiringHTTPSConnectionPool,
+)
+from epd_flask.upstream.tls import TLSConfigError, TLSFiles, TrustStore
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_POOL_MAXSIZE = 1024
+#: Distinct instances (pools) kept; beyond this the least recently used pool is closed.
+POOL_COUNT = 256
+DEFAULT_IDLE_TIMEOUT = 4.0
+#: The most one socket read takes; a relayed chunk is whatever one read brought.
+RELAY_READ_SIZE = 65536
+MAX_ERROR_BODY = 1 << 20
+#: How often idle connections past their time are closed; never slower than a second.
+MAX_SWEEP_INTERVAL = 1.0
+#: A proxy never follows redirects nor retries by itself (``pools.py`` replays the one safe
+#: case); one immutable policy shared by every call.
+NO_RETRIES = Retry(total=False, redirect=False, raise_on_redirect=False)
+
+
+class Upstream:
+    """One upstream answer: status and headers now, the body read as it arrives.
+
+    ``close()`` gives the connection back for reuse when the body was read to its end, and
+    closes it otherwise (the instance may still be writing: an abandoned stream must stop).
+    """
+
+    __slots__ = ("content", "headers", "raw", "status_code", "timeouts", "url")
+
+    def __init__(self, raw: urllib3.BaseHTTPResponse, url: str,
+                 timeouts: tuple[float, float | None]) -> None:
+        self.raw = raw
+        self.status_code = raw.status
+        self.headers = raw.headers
+        self.url = url
+        self.timeouts = timeouts
+        self.content: bytes | None = None
+
+    @property
+    def complete(self) -> bool:
+        fp = self.raw._fp  # type: ignore[attr-defined]  # http.client's response
+        return fp is None or fp.isclosed()
+
+    def close(self) -> None:
+        raw = self.raw
+        if not self.complete:
+            raw.close()
+        raw.release_conn()
+
+
+class Transport:
+    def __init__(self, connect_timeout: float = 3.0, pool_maxsize: int = DEFAULT_POOL_MAXSIZE,
+                 *, idle_timeout: float = DEFAULT_IDLE_TIMEOUT, keepalive: bool = True,
+                 tls: TLSFiles | None = None) -> None:
+        self.connect_timeout = connect_timeout
+        self.pool_maxsize = pool_maxsize
+        self.lifecycle = Lifecycle(idle_timeout=idle_timeout, keepalive=keepalive)
+        # Loading the trust here makes a missing or broken bundle stop the worker's start.
+        self.trust = TrustStore(tls or TLSFiles())
+        self._tls_generation = self.trust.generation
+        self._pools: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._timeouts: dict[float, Timeout] = {}
+        self.headers = {"User-Agent": f"epd-flask/{__version__}",
+                        "Accept-Encoding": "identity"}
+        if not keepalive:
+            # One connection per request, so a Kubernetes Service (which balances
+            # connections, not requests) spreads requests over its pods.
+            self.headers["Connection"] = "close"
+        interval = min(MAX_SWEEP_INTERVAL, max(idle_timeout / 2, 0.05))
+        self._sweeper = Periodic("idle connection sweep", self.sweep, lambda: interval)
+
+    def start(self) -> None:
+        """Close idle connections past their time in the background (frees their sockets;
+        correctness does not depend on it: a stale connection is never handed out)."""
+        self._sweeper.start()
+
+    def sweep(self) -> int:
+        return sum(pool.sweep() for pool in list(self._pools.values()))
+
+    def _pool(self, url: str) -> tuple[Any, str]:
+        """The pool for ``url``'s instance and the request target (path and query)."""
+        scheme, _, rest = url.partition("://")
+        hostport, slash, path = rest.partition("/")
+        context = None
+        if scheme == "https":
+            # One stat per request: a rotated bundle is used from the next request on, and
+            # connections verified under the old trust are never reused.
+            context = self.trust.current()
+            if self.trust.generation != self._tls_generation:
+                self._tls_generation = self.trust.generation
+                self._close_pools()
+        key = (scheme, hostport)
+        pool = self._pools.get(key)
+        if pool is None:
+            pool = self._new_pool(url, scheme, context)
+            self._pools[key] = pool
+            if len(self._pools) > POOL_COUNT:
+                self._pools.popitem(last=False)[1].close()
+        else:
+            self._pools.move_to_end(key)
+        return pool, "/" + path if slash else "/"
+
+    def _new_pool(self, url: str, scheme: str, context: Any) -> Any:
+        parts = parse_url(url)
+        kw: dict[str, Any] = {"maxsize": self.pool_maxsize, "block": False,
+                              "lifecycle": self.lifecycle, "retries": NO_RETRIES}
+        if scheme == "https":
+            kw.update(ssl_context=context, cert_reqs="CERT_REQUIRED")
+            return RetiringHTTPSConnectionPool(parts.host, parts.port, **kw)
+        if scheme != "http":
+            raise urllib3.exceptions.LocationValueError(f"unsupported scheme {scheme!r}")
+        return RetiringHTTPConnectionPool(parts.host, parts.port, **kw)
+
+    def _timeout(self, read_timeout: float) -> Timeout:
+        timeout = self._timeouts.get(read_timeout)
+        if timeout is None:
+            timeout = self._timeouts[read_timeout] = Timeout(
+                connect=self.connect_timeout, read=read_timeout)
+        return timeout
+
+    def send(
+        self,
+        method: str,
+        url: str,
+        *,
+        stage: str,
+        headers: dict[str, str],
+        body: bytes | None = None,
+        read_timeout: float,
+        chunk_timeout: float | None = None,
+        stream: bool = True,
+    ) -> Upstream:
+        """Open one upstream call; failures come back as taxonomy errors naming the stage.
+
+        ``read_timeout`` bounds the wait for the answer's first byte; ``chunk_timeout`` (if
+        given) then bounds each gap between body chunks while ``iter_raw`` relays it. With
+        ``stream=False`` the body is read at once into ``content``.
+        """
+        try:
+            pool, target = self._pool(url)
+            raw = pool.urlopen(
+                method, target, body=body, headers={**self.headers, **headers},
+                retries=NO_RETRIES, redirect=False, assert_same_host=False,
+                timeout=self._timeout(read_timeout), preload_content=False,
+                decode_content=False, release_conn=False,
+            )
+        except Exception as exc:
+            raise self._failure(exc, stage, url, read_timeout) from exc
+        resp = Upstream(raw, url, (read_timeout, chunk_timeout))
+        if not stream:
+            resp.content = self.read_body(resp, stage)
+        return resp
+
+    def _failure(self, exc: Exception, stage: str, url: str,
+                 read_timeout: float) -> BackendError:
+        origin = _origin(url)
+        if isinstance(exc, NewConnectionError):
+            return BackendUnavailable(f"{stage} instance {origin} is unreachable: "
+                                      f"{_reason(exc)}", stage=stage, instance=origin)
+        if isinstance(exc, ConnectTimeoutError):
+            return BackendUnavailable(
+                f"{stage} instance {origin} did not accept a connection within "
+                f"{self.connect_timeout:g} s", stage=stage, instance=origin)
+        if isinstance(exc, ReadTimeoutError):
+            return BackendTimeout(
+                f"{stage} instance {origin} did not answer within {read_timeout:g} s "
+                f"({stage} timeout)", stage=stage, instance=origin)
+        if isinstance(exc, TLSConfigError):
+            return BackendUnavailable(
+                f"{stage} instance {origin} failed TLS verification: upstream TLS is not "
+                f"usable: {_reason(exc)}", stage=stage, instance=origin)
+        if isinstance(exc, SSLError):
+            return BackendUnavailable(
+                f"{stage} instance {origin} failed TLS verification: {_reason(exc)}",
+                stage=stage, instance=origin)
+        if isinstance(exc, (ProtocolError, OSError)):
+            return BackendUnavailable(f"{stage} instance {origin} is unreachable: "
+                                      f"{_reason(exc)}", stage=stage, instance=origin)
+        if isinstance(exc, (HTTPError, http.client.HTTPException, ValueError)):
+            return BackendError(f"{stage} instance {origin} failed: {_reason(exc)}",
+                                stage=stage, instance=origin)
+        raise exc
+
+    def post_json(self, url: str, doc: dict[str, Any], **kw: Any) -> Upstream:
+        headers = dict(kw.pop("headers"))
+        headers["Content-Type"] = "application/json"
+        return self.send("POST", url, headers=headers, body=encode_json(doc), **kw)
+
+    def read_body(self, resp: Upstream, stage: str, limit: int | None = None) -> bytes:
+        """The whole body of a response, closing it; mid-body failures map like any other."""
+        if resp.content is not None:
+            data = resp.content
+        else:
+            try:
+                data = b"".join(self.iter_raw(resp, stage))
+            finally:
+                resp.close()
+        return data[:limit] if limit is not None else data
+
+    def raise_for_status(self, resp: Upstream, stage: str) -> None:
+        """Turn an error status into ``BackendStatus`` carrying the upstream's own body."""
+        if resp.status_code < 400:
+            return
+        try:
+            body = self.read_body(resp, stage, MAX_ERROR_BODY)
+        except BackendError:
+            body = b""
+        raise BackendStatus(
+            f"{stage} instance {_origin(resp.url)} answered {resp.status_code}",
+            upstream_status=resp.status_code, body=body,
+            content_type=resp.headers.get("Content-Type"), stage=stage,
+            instance=_origin(resp.url),
+        )
+
+    def iter_raw(self, resp: Upstream, stage: str) -> Iterator[bytes]:
+        """Body bytes as the upstream sent them (chunked framing removed): each piece is
+        whatever one socket read brought, forwarded at once; several SSE events that arrived
+        together travel on as one piece."""
+        read_timeout, chunk_timeout = resp.timeouts
+        first = True
+        try:
+            for piece in _pieces(resp.raw):
+                if first and chunk_timeout is not None:
+                    _set_read_timeout(resp.raw, chunk_timeout)
+                first = False
+                yield piece
+        except (ReadTimeoutError, TimeoutError) as exc:
+            origin = _origin(resp.url)
+            if first:
+                message = (f"{stage} instance {origin} sent no data within "
+                           f"{read_timeout:g} s ({stage} timeout)"
+                           if read_timeout is not None else
+                           f"{stage} instance {origin} stopped sending data")
+            else:
+                message = (f"{stage} instance {origin} sent nothing for {chunk_timeout:g} s "
+                           f"between chunks ({stage} chunk timeout)"
+                           if chunk_timeout is not None else
+                           f"{stage} instance {origin} stopped sending data")
+            raise BackendTimeout(message, stage=stage, instance=origin) from exc
+        except (HTTPError, http.client.HTTPException, OSError) as exc:
+            raise StreamInterrupted(
+                f"{stage} instance {_origin(resp.url)} closed the connection mid-response",
+                stage=stage, instance=_origin(resp.url)) from exc
+
+    def _close_pools(self) -> None:
+        while self._pools:
+            self._pools.popitem()[1].close()
+
+    def close(self) -> None:
+        self._sweeper.stop()
+        self._close_pools()
+
+
+def _pieces(raw: urllib3.BaseHTTPResponse) -> Iterator[bytes]:
+    """The body from http.client's buffered socket reader, one read at a time.
+
+    ``read1`` returns what is already buffered, or what one ``recv`` brings: never waits for
+    more than is there. Chunked framing is removed here, in one pass over each read, instead
+    of a ``readline`` and two reads per chunk.
+    """
+    response = raw._fp  # type: ignore[attr-defined]  # http.client.HTTPResponse
+    if response is None or response.isclosed():
+        return
+    if not raw.chunked:
+        while response.length is None or response.length > 0:
+            piece = response.read1(RELAY_READ_SIZE)
+            if not piece:
+                if response.length is None:
+                    break  # a body delimited by the connection's end
+                raise ProtocolError(f"the connection closed {response.length} bytes before "
+                                    "the end of the body")
+            yield piece
+        response.close()  # complete: the connection may be reused
+        return
+    reader = response.fp
+    decoder = chunked.Decoder()
+    while not decoder.done:
+        data = reader.read1(RELAY_READ_SIZE)
+        if not data:
+            raise ProtocolError("the connection closed before the last chunk")
+        piece = decoder.feed(data)
+        if piece:
+            yield piece
+    response.close()  # the body is complete: the connection may be reused
+
+
+def _set_read_timeout(raw: Any, seconds: float) -> None:
+    """From now on each socket read of this response may wait ``seconds``."""
+    conn = getattr(raw, "connection", None)
+    sock = getattr(conn, "sock", None)
+    if sock is not None:
+        sock.settimeout(seconds)
+
+
+def encode_json(doc: Any) -> bytes:
+    data = jsoncodec.dumps(doc)
+    cooperate.after_step(len(data))
+    return data
+
+
+def _origin(url: str) -> str:
+    scheme, _, rest = url.partition("://")
+    return f"{scheme}://{rest.split('/', 1)[0]}"
+
+
+def _reason(exc: BaseException) -> str:
+    return str(exc)[:300]

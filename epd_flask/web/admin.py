@@ -1,0 +1,131 @@
+"""The admin API (R6): ``GET``/``POST /instances`` and ``DELETE /instances?url=``.
+
+Thin views: check ``ADMIN_API_KEY``, parse, apply the SSRF policy for instance URLs, hand
+the change to this worker's ``Fleet``, which persists it to the roster file and makes every
+worker follow. Without a key the API is disabled, and says so. Mounted under
+``EPD_ADMIN_PREFIX`` when one is set.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+from typing import Any
+
+from flask import Blueprint, Response, current_app, request
+
+from epd_flask.control.roster import RoleConflict, RosterError, normalize_url, parse_instance
+from epd_flask.control.rosterfile import RosterFileError, RosterWriteError
+from epd_flask.control.urlpolicy import URLPolicyError, check_instance_url
+from epd_flask.core.errors import (
+    ClientError,
+    Conflict,
+    Forbidden,
+    NotFound,
+    ProxyError,
+    Unprocessable,
+)
+
+bp = Blueprint("admin", __name__)
+
+KEY_HEADER = "X-API-Key"
+BEARER = "bearer "
+
+
+def _services() -> Any:
+    svc = current_app.extensions["epd_flask"]
+    _authorize(svc.config.admin_api_key)
+    return svc
+
+
+def _fleet() -> Any:
+    return _services().fleet
+
+
+def _authorize(key: str | None) -> None:
+    if not key:
+        raise Forbidden("the admin API is disabled: set ADMIN_API_KEY to enable it",
+                        code="admin_api_disabled")
+    given = request.headers.get(KEY_HEADER, "")
+    auth = request.headers.get("Authorization", "")
+    if not given and auth[:len(BEARER)].lower() == BEARER:
+        given = auth[len(BEARER):].strip()
+    if not given:
+        raise Forbidden(f"the admin API needs the admin key in {KEY_HEADER} or as a Bearer "
+                        "token", code="missing_admin_key")
+    if not hmac.compare_digest(given.encode(), key.encode()):
+        raise Forbidden("the admin key is not valid", code="invalid_admin_key")
+
+
+def _json(doc: dict[str, Any], status: int = 200) -> Response:
+    return Response(json.dumps(doc), status=status, content_type="application/json")
+
+
+@bp.get("/instances")
+def list_instances() -> Response:
+    return _json(_fleet().status())
+
+
+@bp.post("/instances")
+def register() -> Response:
+    svc = _services()
+    fleet = svc.fleet
+    try:
+        doc = json.loads(request.get_data(cache=False).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ClientError(f"request body is not valid JSON: {exc}",
+                          code="invalid_json") from None
+    try:
+        inst = parse_instance(doc, "instance")
+    except RosterError as exc:
+        raise Unprocessable(str(exc)) from None
+    for field, url in (("url", inst.url), ("bootstrap_url", inst.bootstrap_url)):
+        if url is not None:  # both are requests the proxy will make: SSRF policy first
+            try:
+                check_instance_url(url, svc.url_policy)
+            except URLPolicyError as exc:
+                raise Unprocessable(f"{field}: {exc}", code="instance_url_not_allowed",
+                                    param=field) from None
+    change = _change(fleet.register, inst)
+    body = {"status": change.status, "generation": fleet.generation, "worker": os.getpid(),
+            "instance": inst.record()}
+    return _json(body, 201 if change.status == "registered" else 200)
+
+
+@bp.delete("/instances")
+def unregister() -> Response:
+    fleet = _fleet()
+    raw = request.args.get("url")
+    if not raw:
+        raise ClientError("name the instance to remove: DELETE /instances?url=<base URL>",
+                          code="missing_url", param="url")
+    try:
+        url = normalize_url(raw)
+    except ValueError as exc:
+        raise Unprocessable(f"url {exc}", param="url") from None
+    try:
+        change = _change(fleet.unregister, url)
+    except KeyError:
+        raise NotFound(f"instance {url} is not in the roster", code="unknown_instance",
+                       param="url") from None
+    assert change.instance is not None
+    return _json({"status": change.status, "generation": fleet.generation,
+                  "worker": os.getpid(), "instance": change.instance.record()})
+
+
+def _change(action: Any, arg: Any) -> Any:
+    """One place maps a roster edit's failure to the client's status."""
+    try:
+        return action(arg)
+    except RoleConflict as exc:
+        raise Conflict(str(exc), code="role_conflict") from None
+    except RosterFileError as exc:
+        raise Conflict(str(exc), code="roster_file_invalid") from None
+    except RosterWriteError as exc:
+        raise ProxyError(str(exc), code="roster_write_failed") from None
+    except TimeoutError as exc:
+        raise ProxyError(f"the roster is being changed by another process: {exc}",
+                         status=503, code="roster_busy") from None
+    except RosterError as exc:
+        raise Unprocessable(str(exc)) from None

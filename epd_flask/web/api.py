@@ -1,0 +1,178 @@
+"""Thin Flask views: parse the request, hand it to the pipeline, return its reply."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from typing import Any
+
+from flask import Blueprint, Response, current_app, request
+from werkzeug.exceptions import HTTPException
+
+from epd_flask.control.config import DEFAULT_MAX_JSON_DEPTH
+from epd_flask.core import cooperate, jsoncodec
+from epd_flask.core.errors import ClientError, ProxyError
+from epd_flask.core.headers import REQUEST_ID_HEADER, request_id, upstream_headers
+from epd_flask.serving.context import RequestContext
+from epd_flask.serving.legs import peer_closed
+from epd_flask.serving.pipeline import Reply
+from epd_flask.web import edge, validation
+
+bp = Blueprint("api", __name__)
+
+COMPLETION_ROUTES = ("/v1/chat/completions", "/v1/completions")
+JSON_TYPES = ("application/json", "")
+
+
+def _services():
+    return current_app.extensions["epd_flask"]
+
+
+def _context() -> RequestContext:
+    rid = request_id(request.headers.get(REQUEST_ID_HEADER))
+    services = _services()
+    headers = upstream_headers(request.headers.items(), rid, services.config.backend_api_key)
+    if services.keys.enabled and not services.config.backend_api_key:
+        # The client's bearer was our serving key: it stays at the edge.
+        headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
+    ctx = RequestContext(rid, request.path, headers)
+    sock = request.environ.get("gunicorn.socket")
+    if sock is not None:
+        ctx.client_gone = lambda: peer_closed(sock)
+    return ctx
+
+
+def _authorize() -> None:
+    _services().keys.check(request.headers.get("Authorization"))
+
+
+def _body() -> bytes:
+    """The request body, decoded, within the size limit (413 before reading an oversized
+    body whose length is declared; chunked bodies are cut off as they pass the limit)."""
+    limit = _services().config.max_body_bytes
+    edge.check_length(request.content_length, limit)
+    if request.content_length is None:
+        raw = edge.read_capped(request.stream.read, limit)
+    else:
+        raw = _read_body()
+    return edge.decode_body(raw, request.headers.get("Content-Encoding"), limit)
+
+
+def parse_object(raw: bytes, max_depth: int = DEFAULT_MAX_JSON_DEPTH) -> dict[str, Any]:
+    """T1: the body must be one JSON object; anything else is refused before any backend."""
+    if not raw.strip():
+        raise ClientError("request body is empty; send a JSON object", code="invalid_json")
+    try:
+        doc = jsoncodec.loads(raw)
+    except UnicodeDecodeError:
+        raise ClientError("request body is not valid UTF-8", code="invalid_json") from None
+    except RecursionError:
+        raise edge.nested_too_deeply(max_depth) from None
+    except ValueError as exc:
+        raise ClientError(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(doc, dict):
+        raise ClientError(
+            f"request body must be a JSON object, got a JSON {_json_kind(doc)}",
+            code="invalid_json")
+    edge.check_depth(doc, max_depth)
+    return doc
+
+
+def _json_kind(doc: Any) -> str:
+    return {list: "array", str: "string", bool: "boolean", type(None): "null"}.get(
+        type(doc), "number")
+
+
+def _read_body() -> bytes:
+    """The request body; a large one in steps, so the worker's other streams run meanwhile
+    (read in one go, a few megabytes already in the socket buffer hold the loop ~10 ms)."""
+    length = request.content_length
+    if length is None or length < cooperate.LARGE_BYTES:
+        return request.get_data(cache=False)
+    parts = []
+    while part := request.stream.read(cooperate.LARGE_BYTES):
+        parts.append(part)
+        cooperate.after_step(len(part))
+    return b"".join(parts)
+
+
+def _respond(reply: Reply) -> Response:
+    return Response(reply.body, status=reply.status, headers=reply.headers,
+                    direct_passthrough=True)
+
+
+@contextlib.contextmanager
+def _accounted(ctx: RequestContext) -> Iterator[None]:
+    """Whatever refuses the request, its log line and request id are written once."""
+    try:
+        yield
+    except ProxyError as err:
+        ctx.finish(status=err.status, error=err.message)
+        err.request_id = ctx.request_id
+        raise
+    except HTTPException as exc:  # werkzeug's own refusals (413 ...) are requests too
+        ctx.finish(status=exc.code, error=exc.description or exc.name)
+        raise
+
+
+@bp.post("/v1/chat/completions")
+@bp.post("/v1/completions")
+def completions() -> Response:
+    ctx = _context()
+    with _accounted(ctx):
+        _authorize()
+        ctype = (request.mimetype or "").lower()
+        if ctype not in JSON_TYPES:
+            raise ClientError(f"Content-Type must be application/json, got {ctype}",
+                              status=415, code="unsupported_media_type")
+        raw = _body()
+        ctx.bytes_in = len(raw)
+        body = parse_object(raw, _services().config.max_json_depth)
+        cooperate.after_step(len(raw))
+        validation.check_completion(request.path, body)
+        reply = _services().pipeline.completion(request.path, body, ctx)
+    return _respond(reply)
+
+
+@bp.get("/health")
+@bp.get("/healthz")
+def health() -> Response:
+    svc = _services()
+    ready, reason = svc.pipeline.ready()
+    doc = {"status": "ok", "ready": ready, "reason": reason,
+           "connector": svc.roster.settings.connector, "instances": svc.registry.snapshot(),
+           "counters": dict(svc.pipeline.counters),
+           "load": svc.inflight.snapshot()}
+    if svc.discovery is not None:
+        doc["bootstrap"] = svc.discovery.snapshot()
+    return Response(json.dumps(doc), status=200, content_type="application/json")
+
+
+@bp.get("/ready")
+@bp.get("/readyz")
+def ready() -> Response:
+    svc = _services()
+    ok, reason = svc.pipeline.ready()
+    if svc.inflight.draining:
+        ok, reason = False, "shutting down"
+    doc = {"ready": ok, "reason": reason}
+    return Response(json.dumps(doc), status=200 if ok else 503, content_type="application/json")
+
+
+@bp.route("/", defaults={"path": ""}, methods=["GET", "POST"])
+@bp.route("/<path:path>", methods=["GET", "POST"])
+def passthrough(path: str) -> Response:
+    """T2: everything else reaches a decode-side instance with its query string."""
+    ctx = _context()
+    with _accounted(ctx):
+        _authorize()
+        raw: bytes | None = None
+        if request.method == "POST":
+            raw = _body()
+            if (request.mimetype or "") == "application/json" and raw.strip():
+                parse_object(raw, _services().config.max_json_depth)
+        reply = _services().pipeline.passthrough(
+            request.method, request.path, request.query_string.decode("latin-1"), raw,
+            request.headers.get("Content-Type"), ctx)
+    return _respond(reply)

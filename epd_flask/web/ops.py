@@ -1,0 +1,83 @@
+"""Operator endpoints: ``/metrics`` (Prometheus), ``/status`` (HTML) and the profiler fan-out
+(``/start_profile``, ``/stop_profile``). Thin views over metrics.py, statuspage.py and
+profiling.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+from flask import Blueprint, Response, current_app, request
+
+from epd_flask.core.errors import NotFound
+from epd_flask.core.events import FleetEntry
+from epd_flask.core.headers import REQUEST_ID_HEADER, request_id, upstream_headers
+from epd_flask.observe import metrics, procstats, profiling, statuspage
+
+logger = logging.getLogger(__name__)
+
+bp = Blueprint("ops", __name__)
+
+
+def _services():
+    return current_app.extensions["epd_flask"]
+
+
+@bp.get("/metrics")
+def prometheus_metrics() -> Response:
+    return Response(metrics.exposition(), status=200, content_type=metrics.CONTENT_TYPE)
+
+
+@bp.get("/status")
+def status_page() -> Response:
+    svc = _services()
+    now = metrics.snapshot()
+    ok, reason = svc.pipeline.ready()
+    fleet = [FleetEntry(s.instance.role, s.instance.url, s.live) for s in svc.registry.states()]
+    page = statuspage.build(now, svc.history.baseline(now), fleet, "yes" if ok else reason)
+    return Response(statuspage.render(page), status=200, content_type="text/html; charset=utf-8",
+                    headers={"Cache-Control": "no-store"})
+
+
+@bp.get("/debug/worker")
+def debug_worker() -> Response:
+    """What this worker holds (EPD_DEBUG_ENDPOINTS=1 only): for leak checks after faults."""
+    svc = _services()
+    if not svc.config.debug_endpoints:
+        raise NotFound("not found")
+    peers = procstats.tcp_peers()
+    origins = {s.instance.url.split("://", 1)[-1].split("/", 1)[0]: s.instance.url
+               for s in svc.registry.states()}
+    upstream = {url: peers.get(origin, 0) for origin, url in origins.items()}
+    doc = {"pid": os.getpid(), "greenlets": procstats.greenlets(),
+           "rss_bytes": procstats.rss_bytes(), "tcp_connections": sum(peers.values()),
+           "upstream_connections": sum(upstream.values()), "upstream": upstream,
+           "load": svc.inflight.snapshot()}
+    return Response(json.dumps(doc), status=200, content_type="application/json")
+
+
+@bp.post("/start_profile")
+def start_profile() -> Response:
+    return _profile("start")
+
+
+@bp.post("/stop_profile")
+def stop_profile() -> Response:
+    return _profile("stop")
+
+
+def _profile(action: str) -> Response:
+    svc = _services()
+    rid = request_id(request.headers.get(REQUEST_ID_HEADER))
+    headers = upstream_headers(request.headers.items(), rid)
+    body = request.get_data(cache=False) or None
+    if body is not None and request.content_type:
+        headers["Content-Type"] = request.content_type
+    results = profiling.fan_out(action, svc.registry, svc.transport, headers, body)
+    status, doc = profiling.summarize(action, results)
+    logger.info("request_id=%s %s_profile: ok=%d not_found=%d failed=%d skipped=%d", rid,
+                action, doc["ok"], doc["not_found"], doc["failed"], doc["skipped"])
+    return Response(json.dumps(doc), status=status, content_type="application/json",
+                    headers={REQUEST_ID_HEADER: rid})
