@@ -6,23 +6,22 @@ nothing here imports ``ssl``, patches with gevent, or opens sockets; workers pat
 (gevent worker) before they import ``wsgi:app``.
 
 Every value can be overridden from the environment, so a systemd unit or a container only
-sets variables.
+sets variables; each variable (type, default, check) is declared once in
+``epd_flask/control/settings.py``, and a bad value stops start-up with a message naming it.
 """
 
 import logging
-import os
 
-# Standard library only (the master must not load ssl); see its docstring.
+# Standard library only (the master must not load ssl); see their docstrings.
 from epd_flask.control import metricsdir
 
 # Roster schema, validation and the state directory (pydantic, PyYAML, json; no ssl, no
 # gevent): the master validates the roster itself.
 from epd_flask.control import reload as _epd_reload
+from epd_flask.control.settings import read as _setting
 
 # Listen address: EPD_BIND wins, else HOST/PORT (make run uses PORT).
-bind = os.environ.get("EPD_BIND") or (
-    f"{os.environ.get('HOST', '127.0.0.1')}:{os.environ.get('PORT', '8000')}"
-)
+bind = _setting("EPD_BIND")
 
 # Workers: one per core. A gevent worker is one process running one event loop; it carries
 # hundreds of concurrent streams, but only one core's worth of CPU (JSON parsing, relaying
@@ -32,13 +31,13 @@ bind = os.environ.get("EPD_BIND") or (
 # probe_interval; docs/deploy.md). In a container os.cpu_count() is the node's core count,
 # not the CPU limit: set EPD_WORKERS there.
 worker_class = "gevent"
-workers = int(os.environ.get("EPD_WORKERS", os.cpu_count() or 1))
+workers = _setting("EPD_WORKERS")
 # Concurrent client connections per worker: open streams plus idle keep-alive connections
 # from nginx (up to its upstream `keepalive` per nginx worker process). A host carries
 # workers x worker_connections; beyond that, new connections wait in the listen backlog. Each
 # open stream also holds a socket to its decode instance, so file descriptors run at about
 # twice this per worker (the systemd unit raises LimitNOFILE).
-worker_connections = int(os.environ.get("EPD_WORKER_CONNECTIONS", "1000"))
+worker_connections = _setting("EPD_WORKER_CONNECTIONS")
 
 # Timeouts versus minute-long streams:
 # - ``timeout`` is a heartbeat, not a request timeout: the gevent worker's own loop refreshes
@@ -46,26 +45,26 @@ worker_connections = int(os.environ.get("EPD_WORKER_CONNECTIONS", "1000"))
 #   whose loop is blocked (a CPU-bound bug) for this long is killed and replaced.
 # - How long a stream may go quiet is the roster's decode_timeout (600 s), and nginx's
 #   proxy_read_timeout matches it.
-timeout = int(os.environ.get("EPD_WORKER_TIMEOUT", "60"))
+timeout = _setting("EPD_WORKER_TIMEOUT")
 # On SIGHUP/SIGTERM old workers get this long to finish the streams they carry; an LLM answer
 # can stream for minutes, so the default is generous. Whatever stops the master must wait
 # longer than this: systemd's TimeoutStopSec (630), Kubernetes' terminationGracePeriodSeconds.
 # A stopping worker also waits for its idle keep-alive connections to close, so behind nginx
 # a stop or reload ends once the last stream has ended and nginx dropped its idle
 # connections (at most 30 s later, its upstream keepalive_timeout).
-graceful_timeout = int(os.environ.get("EPD_GRACEFUL_TIMEOUT", "600"))
+graceful_timeout = _setting("EPD_GRACEFUL_TIMEOUT")
 # Longer than nginx's upstream keepalive_timeout (30 s in etc/nginx.conf) so nginx, not us,
 # closes idle connections and never sends a request on one we already closed.
-keepalive = int(os.environ.get("EPD_KEEPALIVE", "75"))
+keepalive = _setting("EPD_KEEPALIVE")
 
 # preload_app must stay off: the app is imported in each worker after gevent patched it.
 preload_app = False
 # Trust X-Forwarded-* only from the local reverse proxy.
-forwarded_allow_ips = os.environ.get("FORWARDED_ALLOW_IPS", "127.0.0.1")
-accesslog = os.environ.get("EPD_ACCESS_LOG") or None
-loglevel = os.environ.get("EPD_LOG_LEVEL", "info")
+forwarded_allow_ips = _setting("FORWARDED_ALLOW_IPS")
+accesslog = _setting("EPD_ACCESS_LOG")
+loglevel = _setting("EPD_LOG_LEVEL")
 # `make reload` and systemd's ExecReload find the master here.
-pidfile = os.environ.get("EPD_PIDFILE") or None
+pidfile = _setting("EPD_PIDFILE")
 
 
 def on_starting(server):
@@ -79,10 +78,9 @@ def on_starting(server):
             "%(asctime)s [%(process)d] [%(levelname)s] %(name)s: %(message)s"))
         log.addHandler(handler)
         log.propagate = False
-    log.setLevel(os.environ.get("EPD_LOG_LEVEL", "info").upper())
+    log.setLevel(_setting("EPD_LOG_LEVEL").upper())
     requests_log = logging.getLogger("epd_flask.requests")
-    if os.environ.get("EPD_LOG_FORMAT", "").strip().lower() == "json" \
-            and not requests_log.handlers:
+    if _setting("EPD_LOG_FORMAT") == "json" and not requests_log.handlers:
         # One bare JSON document per line (it carries its own timestamp).
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(message)s"))

@@ -13,6 +13,8 @@ import os
 import shutil
 import tempfile
 
+from epd_flask.control import settings
+
 ENV = "PROMETHEUS_MULTIPROC_DIR"
 # prometheus_client's multiprocess gauge modes whose series die with their process
 # (multiprocess._LIVE_GAUGE_MULTIPROCESS_MODES; a test pins the two lists together).
@@ -27,7 +29,7 @@ def prepare(environ: dict[str, str] | os._Environ[str] | None = None) -> str:
     in); without one, a private temporary directory is made and ``cleanup`` removes it.
     """
     env = os.environ if environ is None else environ
-    path = env.get(ENV)
+    path = settings.read(ENV, env)
     if path:
         os.makedirs(path, exist_ok=True)
         for stale in glob.glob(os.path.join(path, "*.db")):
@@ -42,7 +44,7 @@ def prepare(environ: dict[str, str] | os._Environ[str] | None = None) -> str:
 
 def mark_process_dead(pid: int, path: str | None = None) -> None:
     """Drop a dead worker's live gauges (in-flight and the like); its counters stay summed."""
-    path = path or os.environ.get(ENV)
+    path = path or settings.read(ENV)
     if not path:
         return
     for mode in LIVE_GAUGE_MODES:
@@ -53,6 +55,6 @@ def mark_process_dead(pid: int, path: str | None = None) -> None:
 
 def cleanup(path: str | None = None) -> None:
     """Remove the directory if ``prepare`` made it; an operator's directory is left alone."""
-    path = path or os.environ.get(ENV)
+    path = path or settings.read(ENV)
     if path and os.path.exists(os.path.join(path, OWNED_MARKER)):
         shutil.rmtree(path, ignore_errors=True)

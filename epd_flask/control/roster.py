@@ -2,7 +2,8 @@
 
 Schema, loading and validation of ``etc/roster.yaml``. Imported by the gunicorn master, so it
 stays light (pydantic and PyYAML only, nothing that opens sockets or loads ``ssl``) and imports
-nothing of ours. ``epd-flask-check-roster FILE`` validates a file without starting anything.
+nothing of ours but the settings' declarations. ``epd-flask-check-roster FILE`` validates a
+file without starting anything.
 """
 
 from __future__ import annotations
@@ -16,15 +17,14 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
-DEFAULT_ROSTER_PATH = "etc/roster.yaml"
-ROSTER_ENV = "EPD_ROSTER"
+from epd_flask.control import settings as declared
 
 Role = Literal["encode", "prefill", "decode", "prefill_decode"]
 ROLES: tuple[str, ...] = ("encode", "prefill", "decode", "prefill_decode")
-ConnectorName = Literal["nixl", "none", "mooncake", "p2p_nccl"]
-PrefillFailure = Literal["fail", "recompute"]
+ConnectorName = Literal[declared.CONNECTORS]
+PrefillFailure = Literal[declared.PREFILL_FAILURES]
 
 
 class RosterError(ValueError):
@@ -76,27 +76,15 @@ def normalize_url(value: str) -> str:
     return value
 
 
-class Settings(_Strict):
-    """Fleet-wide behaviour; every value has a default an operator can start from."""
-
-    connector: ConnectorName = "nixl"
-    # A failed prefill leg: fail the request (after decode_retries), or let decode recompute the
-    # prompt. Only connectors whose decode can serve alone (nixl, none) honour "recompute".
-    prefill_failure: PrefillFailure = "fail"
-    decode_retries: int = Field(default=1, ge=0, le=10)
-    probe_interval: float = Field(default=5.0, gt=0, le=3600)
-    probe_timeout: float = Field(default=2.0, gt=0, le=600)
-    fail_threshold: int = Field(default=3, ge=1, le=100)
-    evicted_ttl: float = Field(default=0.0, ge=0)
-    encoder_max_batch_size: int = Field(default=0, ge=0)
-    encoder_concurrency: int = Field(default=8, ge=1, le=1024)
-    encoder_timeout: float = Field(default=300.0, gt=0)
-    rewrite_media: bool = True
-    # Per-stage read timeouts (seconds); each expiry is a client error naming the stage.
-    connect_timeout: float = Field(default=3.0, gt=0, le=600)
-    prefill_timeout: float = Field(default=600.0, gt=0)
-    decode_timeout: float = Field(default=600.0, gt=0)  # until decode's first byte
-    decode_chunk_timeout: float = Field(default=300.0, gt=0)  # between decode's chunks
+#: Fleet-wide behaviour; every value has a default an operator can start from. Generated from
+#: the declarations in ``settings.py`` (type, default, bounds, help), which the README's
+#: table is checked against.
+Settings = create_model(
+    "Settings", __base__=_Strict, __module__=__name__,
+    __doc__="Fleet-wide behaviour; every value has a default an operator can start from.",
+    **{s.name: (s.type, Field(default=s.default, description=s.help, **s.bounds()))
+       for s in declared.ROSTER.values()},
+)
 
 
 class Roster(_Strict):
@@ -228,8 +216,7 @@ def load(path: str | os.PathLike[str]) -> Roster:
 
 
 def roster_path(environ: dict[str, str] | None = None) -> str:
-    env = os.environ if environ is None else environ
-    return env.get(ROSTER_ENV) or DEFAULT_ROSTER_PATH
+    return declared.read("EPD_ROSTER", environ)
 
 
 def _describe(error: Any, doc: dict[str, Any]) -> str:

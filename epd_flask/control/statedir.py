@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from epd_flask.control import settings
 from epd_flask.control.roster import Roster, RosterError, parse
 
 logger = logging.getLogger(__name__)
@@ -47,8 +48,7 @@ class StateDir:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> StateDir | None:
-        env = os.environ if environ is None else environ
-        value = env.get(STATE_DIR_ENV)
+        value = settings.read(STATE_DIR_ENV, environ)
         return cls(value) if value else None
 
     def ensure(self) -> None:

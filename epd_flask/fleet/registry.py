@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from epd_flask.control import settings
 from epd_flask.control.roster import Instance
 from epd_flask.core.events import FleetEntry, bus
 
@@ -46,7 +47,9 @@ class Registry:
     """
 
     def __init__(
-        self, instances: Iterable[Instance], fail_threshold: int = 3, evicted_ttl: float = 0.0
+        self, instances: Iterable[Instance],
+        fail_threshold: int = settings.default("fail_threshold"),
+        evicted_ttl: float = settings.default("evicted_ttl"),
     ) -> None:
         self.fail_threshold = fail_threshold
         self.evicted_ttl = evicted_ttl

@@ -11,7 +11,6 @@ roster, error kinds from the error taxonomy's codes.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -21,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client import multiprocess as prom_multiprocess
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from epd_flask.control import settings
 from epd_flask.control.metricsdir import ENV as MULTIPROC_ENV
 from epd_flask.core.events import FleetEntry, Observer, bus
 from epd_flask.core.periodic import Periodic
@@ -41,7 +41,7 @@ SEVERAL_INSTANCES = "several"
 STATUS_WINDOW_SECONDS = 300.0
 SAMPLE_INTERVAL_SECONDS = 10.0
 
-MULTIPROCESS = bool(os.environ.get(MULTIPROC_ENV))
+MULTIPROCESS = bool(settings.read(MULTIPROC_ENV))
 _REGISTRY: CollectorRegistry | None = None if MULTIPROCESS else CollectorRegistry()
 
 REQUESTS = Counter("epd_requests_total", "Client requests answered, by route and HTTP status.",

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-from epd_flask.control.config import LOG_FORMATS
+from epd_flask.control.settings import LOG_FORMATS
 from epd_flask.core.errors import ProxyError
 from epd_flask.core.events import bus
 

@@ -23,6 +23,7 @@ import gevent.queue
 from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 
+from epd_flask.control import settings
 from epd_flask.core import cooperate
 
 logger = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ STALE_ERRORS: tuple[type[BaseException], ...] = (
 class Lifecycle:
     """Shared by every pool of one transport; counters are for tests and logs."""
 
-    idle_timeout: float = 4.0
+    idle_timeout: float = settings.default("EPD_UPSTREAM_IDLE_TIMEOUT")
     keepalive: bool = True
     retired: int = 0
     replayed: int = 0

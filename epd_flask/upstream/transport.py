@@ -28,6 +28,7 @@ from urllib3.exceptions import (
 from urllib3.util import Retry, Timeout, parse_url
 
 from epd_flask import __version__
+from epd_flask.control import settings
 from epd_flask.core import cooperate, jsoncodec
 from epd_flask.core.errors import (
     BackendError,
@@ -47,10 +48,10 @@ from epd_flask.upstream.tls import TLSConfigError, TLSFiles, TrustStore
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_POOL_MAXSIZE = 1024
+DEFAULT_POOL_MAXSIZE: int = settings.default("EPD_POOL_MAXSIZE")
 #: Distinct instances (pools) kept; beyond this the least recently used pool is closed.
 POOL_COUNT = 256
-DEFAULT_IDLE_TIMEOUT = 4.0
+DEFAULT_IDLE_TIMEOUT: float = settings.default("EPD_UPSTREAM_IDLE_TIMEOUT")
 #: The most one socket read takes; a relayed chunk is whatever one read brought.
 RELAY_READ_SIZE = 65536
 MAX_ERROR_BODY = 1 << 20
@@ -92,7 +93,8 @@ class Upstream:
 
 
 class Transport:
-    def __init__(self, connect_timeout: float = 3.0, pool_maxsize: int = DEFAULT_POOL_MAXSIZE,
+    def __init__(self, connect_timeout: float = settings.default("connect_timeout"),
+                 pool_maxsize: int = DEFAULT_POOL_MAXSIZE,
                  *, idle_timeout: float = DEFAULT_IDLE_TIMEOUT, keepalive: bool = True,
                  tls: TLSFiles | None = None) -> None:
         self.connect_timeout = connect_timeout

@@ -10,7 +10,7 @@ from typing import Any
 from flask import Blueprint, Response, current_app, request
 from werkzeug.exceptions import HTTPException
 
-from epd_flask.control.config import DEFAULT_MAX_JSON_DEPTH
+from epd_flask.control import settings
 from epd_flask.core import cooperate, jsoncodec
 from epd_flask.core.errors import ClientError, ProxyError
 from epd_flask.core.headers import REQUEST_ID_HEADER, request_id, upstream_headers
@@ -59,7 +59,9 @@ def _body() -> bytes:
     return edge.decode_body(raw, request.headers.get("Content-Encoding"), limit)
 
 
-def parse_object(raw: bytes, max_depth: int = DEFAULT_MAX_JSON_DEPTH) -> dict[str, Any]:
+def parse_object(
+    raw: bytes, max_depth: int = settings.default("EPD_MAX_JSON_DEPTH")
+) -> dict[str, Any]:
     """T1: the body must be one JSON object; anything else is refused before any backend."""
     if not raw.strip():
         raise ClientError("request body is empty; send a JSON object", code="invalid_json")

@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import gevent
 
+from epd_flask.control import settings
 from epd_flask.core.errors import ShuttingDown
 from epd_flask.core.events import bus
 from epd_flask.web.inflight import InFlight
@@ -43,7 +44,8 @@ def end_after(graceful_timeout: float) -> float:
 
 
 class Drain:
-    def __init__(self, inflight: InFlight, idle_grace: float = 2.0) -> None:
+    def __init__(self, inflight: InFlight,
+                 idle_grace: float = settings.default("EPD_DRAIN_IDLE_GRACE")) -> None:
         self.inflight = inflight
         self.idle_grace = idle_grace
         self._watcher: gevent.Greenlet | None = None

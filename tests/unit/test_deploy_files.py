@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from epd_flask.control.config import DEFAULT_MAX_BODY_BYTES
+from epd_flask.control import settings
 from epd_flask.control.roster import Settings, parse
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -122,7 +122,7 @@ def test_nginx_and_gunicorn_timeouts_fit_together() -> None:
     assert seconds(read) >= Settings().decode_timeout
     [size] = nginx_directive(conf, "client_max_body_size")
     number, unit = re.fullmatch(r"(\d+)([kmg]?)", size.lower()).groups()  # type: ignore[union-attr]
-    assert int(number) * SIZE_UNITS[unit] >= DEFAULT_MAX_BODY_BYTES
+    assert int(number) * SIZE_UNITS[unit] >= settings.default("EPD_MAX_BODY_BYTES")
 
 
 def test_nginx_streams_unbuffered_and_passes_request_ids() -> None:

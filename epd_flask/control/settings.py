@@ -1,0 +1,311 @@
+"""Every setting the proxy has, declared once: its name, type, default, check and help.
+
+Two channels, one table each (gunicorn's ``config.py`` is the model): environment variables,
+read by gunicorn's configuration, the master's hooks or each worker's app; and the roster's
+``settings:`` keys, whose pydantic schema ``roster.py`` generates from ``ROSTER``. Whatever
+reads a setting reads it here, and tests hold the README's tables to these declarations.
+Standard library only: the gunicorn master imports this.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+#: Who reads an environment variable: gunicorn itself (a setting of etc/gunicorn.conf.py),
+#: our hooks in the gunicorn master, or each worker's app.
+GUNICORN, MASTER, APP = "gunicorn", "master", "app"
+
+#: The request log line's formats (``EPD_LOG_FORMAT``).
+LOG_FORMATS = ("logfmt", "json")
+#: gunicorn's log levels (``EPD_LOG_LEVEL``), plus the aliases ``logging`` accepts.
+LOG_LEVELS = ("debug", "info", "warning", "warn", "error", "critical")
+#: The default in-flight cap leaves this share of gunicorn's worker_connections free, so a
+#: worker at its cap still accepts connections to refuse quickly and to answer probes.
+IN_FLIGHT_SHARE = 0.9
+CONNECTORS = ("nixl", "none", "mooncake", "p2p_nccl")
+PREFILL_FAILURES = ("fail", "recompute")
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+Environ = Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One environment variable.
+
+    ``type`` picks the parse (whole numbers, seconds, on/off, text, comma-separated list);
+    ``choices`` restricts text; ``minimum`` bounds whole numbers. An empty value means "unset"
+    unless ``literal``: for gunicorn's own ``HOST``-style values an empty string is a value.
+    ``shown`` is the README's default column where it is not the value itself.
+    """
+
+    name: str
+    type: type
+    default: Any
+    help: str
+    read_by: tuple[str, ...]
+    choices: tuple[str, ...] = ()
+    minimum: int = 1
+    literal: bool = False
+    default_from: Callable[[Environ], Any] | None = None
+    shown: str | None = None
+
+    def read(self, environ: Environ | None = None) -> Any:
+        """The value in effect; a bad one raises ValueError naming the variable."""
+        env = os.environ if environ is None else environ
+        raw = env.get(self.name)
+        if self.type is str and self.choices:
+            return _choice(self.name, raw or self.default, self.choices)
+        if raw is None or (raw == "" and not self.literal):
+            return self.default_value(env)
+        if self.type is bool:
+            return _bool(self.name, raw, self.default_value(env))
+        if self.type is int:
+            return _int(self.name, raw, self.minimum)
+        if self.type is float:
+            return _float(self.name, raw)
+        if self.type is tuple:
+            return tuple(s.strip() for s in raw.split(",") if s.strip()) or self.default
+        return raw
+
+    def default_value(self, environ: Environ | None = None) -> Any:
+        if self.default_from is not None:
+            return self.default_from(os.environ if environ is None else environ)
+        return self.default
+
+    def shown_default(self) -> str:
+        """The default as the README's environment table writes it."""
+        if self.shown is not None:
+            return self.shown
+        if isinstance(self.default, bool) or self.default is None:
+            raise TypeError(f"{self.name}: declare how the README shows its default")
+        return _number(self.default) if isinstance(self.default, int | float) \
+            else str(self.default)
+
+
+@dataclass(frozen=True)
+class RosterSetting:
+    """One key of the roster's ``settings:`` mapping; bounds as pydantic's ``Field`` names
+    them (``ge``, ``gt``, ``le``)."""
+
+    name: str
+    type: Any
+    default: Any
+    help: str
+    unit: str = ""
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+
+    def bounds(self) -> dict[str, float]:
+        return {k: v for k, v in (("ge", self.ge), ("gt", self.gt), ("le", self.le))
+                if v is not None}
+
+    def shown_default(self) -> str:
+        """The default as the README's roster settings table writes it."""
+        if isinstance(self.default, bool):
+            return "true" if self.default else "false"
+        if isinstance(self.default, str):
+            return f"`{self.default}`"
+        return _number(self.default)
+
+
+def _number(value: float) -> str:
+    return str(value) if isinstance(value, int) else f"{value:g}"
+
+
+def _bind(env: Environ) -> str:
+    return f"{ENV['HOST'].read(env)}:{ENV['PORT'].read(env)}"
+
+
+def _in_flight(env: Environ) -> int:
+    return max(1, int(ENV["EPD_WORKER_CONNECTIONS"].read(env) * IN_FLIGHT_SHARE))
+
+
+_ENV_VARS = (
+    EnvVar("EPD_ROSTER", str, "etc/roster.yaml", "roster file", (MASTER, APP),
+           shown="`etc/roster.yaml`"),
+    EnvVar("EPD_BIND", str, None, "listen address", (GUNICORN,), default_from=_bind,
+           shown="`$HOST:$PORT`"),
+    EnvVar("HOST", str, "127.0.0.1", "listen host when EPD_BIND is unset", (GUNICORN,),
+           literal=True),
+    EnvVar("PORT", str, "8000", "listen port when EPD_BIND is unset", (GUNICORN,),
+           literal=True),
+    EnvVar("EPD_WORKERS", int, None, "gunicorn workers (gevent: one per core)", (GUNICORN,),
+           default_from=lambda env: os.cpu_count() or 1, shown="number of cores"),
+    EnvVar("EPD_WORKER_CONNECTIONS", int, 1000, "concurrent connections per worker",
+           (GUNICORN, APP)),
+    # gunicorn accepts 0 for these three (no heartbeat limit, no grace, no keep-alive).
+    EnvVar("EPD_WORKER_TIMEOUT", int, 60,
+           "seconds a worker's loop may stay blocked before the master replaces it",
+           (GUNICORN,), minimum=0),
+    EnvVar("EPD_GRACEFUL_TIMEOUT", int, 600,
+           "seconds old workers may finish their streams on reload/stop", (GUNICORN, APP),
+           minimum=0),
+    EnvVar("EPD_KEEPALIVE", int, 75, "seconds an idle client connection is kept open",
+           (GUNICORN,), minimum=0),
+    # Closing a kept-alive connection the client is just reusing loses that request ("closed
+    # without response"), so connections busy a moment ago are left to gunicorn, which answers
+    # what arrives on them with ``Connection: close``.
+    EnvVar("EPD_DRAIN_IDLE_GRACE", float, 2.0,
+           "seconds a kept-alive client connection must have been idle before a stopping "
+           "worker closes it", (APP,)),
+    EnvVar("EPD_MAX_IN_FLIGHT", int, None, "client requests one worker serves at once",
+           (APP,), default_from=_in_flight, shown="90 % of `EPD_WORKER_CONNECTIONS`"),
+    EnvVar("EPD_MAX_BODY_BYTES", int, 32 * 1024 * 1024, "request bodies above this get 413",
+           (APP,)),
+    EnvVar("EPD_POOL_MAXSIZE", int, 1024,
+           "kept-alive upstream connections per instance per worker", (APP,)),
+    # Below vLLM's own keep-alive (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s) with a second to spare.
+    EnvVar("EPD_UPSTREAM_IDLE_TIMEOUT", float, 4.0,
+           "seconds an idle upstream connection may still be reused", (APP,)),
+    EnvVar("EPD_UPSTREAM_KEEPALIVE", bool, True,
+           "off: one upstream connection per request", (APP,), shown="on"),
+    EnvVar("EPD_UPSTREAM_CA_BUNDLE", str, None,
+           "PEM bundle https:// instances are verified against", (APP,),
+           shown="(system store)"),
+    EnvVar("EPD_UPSTREAM_CLIENT_CERT", str, None,
+           "client certificate shown to instances (mutual TLS)", (APP,), shown=""),
+    EnvVar("EPD_UPSTREAM_CLIENT_KEY", str, None,
+           "key of EPD_UPSTREAM_CLIENT_CERT", (APP,), shown=""),
+    EnvVar("EPD_API_KEYS", tuple, (), "serving API keys, comma-separated", (APP,),
+           shown="(none: open)"),
+    EnvVar("EPD_API_KEYS_FILE", str, None, "serving API keys, one per line", (APP,),
+           shown="(none: open)"),
+    EnvVar("EPD_MAX_JSON_DEPTH", int, 64, "request bodies nested deeper get 400", (APP,)),
+    EnvVar("EPD_ADMIN_PREFIX", str, "", "path prefix of the admin API", (APP,),
+           shown="(none)"),
+    EnvVar("EPD_INSTANCE_SCHEMES", tuple, ("http", "https"),
+           "schemes an instance URL may be registered with", (APP,), shown="`http,https`"),
+    EnvVar("EPD_INSTANCE_NETWORKS", tuple, (),
+           "networks (CIDR) registered instance URLs must resolve into", (APP,),
+           shown="(any)"),
+    EnvVar("EPD_LOG_LEVEL", str, "info", "log level of gunicorn and the proxy",
+           (GUNICORN, MASTER), choices=LOG_LEVELS),
+    EnvVar("EPD_BACKEND_API_KEY", str, None,
+           "sent to prefill and decode instead of the client's Authorization", (APP,),
+           shown="unset"),
+    EnvVar("EPD_LOG_FORMAT", str, "logfmt", "the one line per request: logfmt or json",
+           (MASTER, APP), choices=LOG_FORMATS),
+    EnvVar("EPD_LOG_UPSTREAM", bool, False, "also one line per upstream call", (APP,),
+           shown="0"),
+    EnvVar("EPD_DEBUG_ENDPOINTS", bool, False, "serve GET /debug/worker", (APP,), shown="0"),
+    EnvVar("EPD_ACCESS_LOG", str, None, "gunicorn's access log file (`-` for stderr)",
+           (GUNICORN,), shown="unset (no access log)"),
+    EnvVar("PROMETHEUS_MULTIPROC_DIR", str, None, "where the workers write their metrics",
+           (MASTER, APP), shown="a private temporary directory"),
+    EnvVar("ADMIN_API_KEY", str, None, "key of the admin API; unset disables it", (APP,),
+           shown="unset"),
+    EnvVar("EPD_STATE_DIR", str, None,
+           "runtime state the master shares with its workers", (MASTER, APP),
+           shown="a fresh `/tmp/epd-flask-*` per master"),
+    EnvVar("EPD_PIDFILE", str, None, "gunicorn writes the master's pid here", (GUNICORN,),
+           shown="unset (`make run`: `.venv/gunicorn.pid`)"),
+    EnvVar("FORWARDED_ALLOW_IPS", str, "127.0.0.1",
+           "addresses whose X-Forwarded-* headers gunicorn trusts", (GUNICORN,),
+           literal=True),
+)
+
+_ROSTER_SETTINGS = (
+    RosterSetting("connector", Literal[CONNECTORS], "nixl",
+                  "how prefill and decode meet"),
+    # Only connectors whose decode can serve alone (nixl, none) honour "recompute".
+    RosterSetting("prefill_failure", Literal[PREFILL_FAILURES], "fail",
+                  "a failed prefill leg: fail the request, or let decode recompute"),
+    RosterSetting("decode_retries", int, 1,
+                  "retries of a 5xx or unreachable leg before the first byte", "attempts",
+                  ge=0, le=10),
+    RosterSetting("probe_interval", float, 5.0, "between GET /health probes", "seconds",
+                  gt=0, le=3600),
+    RosterSetting("probe_timeout", float, 2.0, "a probe slower than this failed", "seconds",
+                  gt=0, le=600),
+    RosterSetting("fail_threshold", int, 3, "consecutive failures before eviction",
+                  "failures", ge=1, le=100),
+    RosterSetting("evicted_ttl", float, 0.0,
+                  "forget an instance evicted this long; 0 keeps probing", "seconds", ge=0),
+    RosterSetting("encoder_max_batch_size", int, 0,
+                  "images per encoder request (0 = unlimited)", "items", ge=0),
+    RosterSetting("encoder_concurrency", int, 8,
+                  "encoder calls one request keeps in flight", "calls", ge=1, le=1024),
+    RosterSetting("encoder_timeout", float, 300.0, "the whole encode stage of a request",
+                  "seconds", gt=0),
+    RosterSetting("rewrite_media", bool, True,
+                  "send the next stage *_embeds references instead of the media"),
+    # Per-stage read timeouts; each expiry is a client error naming the stage.
+    RosterSetting("connect_timeout", float, 3.0, "connecting to any instance", "seconds",
+                  gt=0, le=600),
+    RosterSetting("prefill_timeout", float, 600.0, "waiting for prefill's answer", "seconds",
+                  gt=0),
+    RosterSetting("decode_timeout", float, 600.0, "waiting for decode's first byte",
+                  "seconds", gt=0),
+    RosterSetting("decode_chunk_timeout", float, 300.0,
+                  "silence allowed between two chunks of decode's answer", "seconds", gt=0),
+)
+
+
+def _index(items: Iterable[Any]) -> dict[str, Any]:
+    table: dict[str, Any] = {}
+    for item in items:
+        if item.name in table:
+            raise ValueError(f"setting {item.name} is declared twice")
+        table[item.name] = item
+    return table
+
+
+#: Environment variables by name.
+ENV: dict[str, EnvVar] = _index(_ENV_VARS)
+#: The roster's ``settings:`` keys by name.
+ROSTER: dict[str, RosterSetting] = _index(_ROSTER_SETTINGS)
+
+
+def read(name: str, environ: Environ | None = None) -> Any:
+    """The value of environment variable ``name`` (declared above) in ``environ``."""
+    return ENV[name].read(environ)
+
+
+def default(name: str) -> Any:
+    """The declared default of an environment variable or a roster setting."""
+    return ENV[name].default if name in ENV else ROSTER[name].default
+
+
+def _int(name: str, raw: str, minimum: int) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a whole number, got {raw!r}") from None
+    if value < minimum:
+        raise ValueError(f"{name} must be positive, got {value}" if minimum > 0
+                         else f"{name} must not be negative, got {value}")
+    return value
+
+
+def _float(name: str, raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a number of seconds, got {raw!r}") from None
+    if not value > 0:
+        raise ValueError(f"{name} must be positive, got {raw!r}")
+    return value
+
+
+def _bool(name: str, raw: str, default: bool) -> bool:
+    value = raw.strip().lower()
+    if not value:
+        return default
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{name} must be one of on/off, true/false, 1/0; got {value!r}")
+
+
+def _choice(name: str, raw: str, choices: tuple[str, ...]) -> str:
+    value = raw.strip().lower()
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+    return value
