@@ -25,6 +25,7 @@ from epd_flask.app import create_app, services
 from epd_flask.control.config import ProxyConfig
 from epd_flask.control.roster import parse
 from epd_flask.sim import SimConfig, SimServer
+from tests.fakes import FakeUpstream, Handler
 from tests.helpers import NoDelayHandler
 
 
@@ -48,6 +49,21 @@ def sim() -> Iterator[Callable[..., SimServer]]:
 
     def start(role: str, **knobs: Any) -> SimServer:
         server = SimServer(SimConfig(role=role, **knobs)).start()
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture
+def fake() -> Iterator[Callable[[Handler], FakeUpstream]]:
+    """Start a hand-written upstream: ``fake(handler)`` (see ``tests/fakes.py``)."""
+    started: list[FakeUpstream] = []
+
+    def start(handler: Handler) -> FakeUpstream:
+        server = FakeUpstream(handler)
         started.append(server)
         return server
 

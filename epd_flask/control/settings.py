@@ -240,10 +240,15 @@ _ROSTER_SETTINGS = (
                   gt=0, le=600),
     RosterSetting("prefill_timeout", float, 600.0, "waiting for prefill's answer", "seconds",
                   gt=0),
-    RosterSetting("decode_timeout", float, 600.0, "waiting for decode's first byte",
+    RosterSetting("decode_timeout", float, 600.0,
+                  "waiting for a stream's first byte (status line, then first event)",
                   "seconds", gt=0),
     RosterSetting("decode_chunk_timeout", float, 300.0,
                   "silence allowed between two chunks of decode's answer", "seconds", gt=0),
+    # A non-stream answer's first byte is its last, so this is the only bound on one;
+    # vLLM's own clients set none.
+    RosterSetting("decode_total_timeout", float, 0.0,
+                  "the whole decode call, first byte to last; 0 = no limit", "seconds", ge=0),
 )
 
 

@@ -109,8 +109,7 @@ class Pipeline:
             headers["Content-Type"] = content_type
         url = target.url + path + (f"?{query}" if query else "")
         resp = self._send(target, "decode", method, url, ctx, headers=headers, body=body,
-                          read_timeout=self.roster.settings.decode_timeout,
-                          chunk_timeout=self.roster.settings.decode_chunk_timeout)
+                          **self._decode_timeouts(stream=True))
         return self._reply(resp, ctx, stream=True)
 
     def _attempt(self, path: str, body: dict[str, Any], ctx: RequestContext) -> Reply:
@@ -233,8 +232,7 @@ class Pipeline:
         ctx.instances["decode"] = target.url
         started = time.monotonic()
         resp = self._post(target, "decode", path, leg, ctx,
-                          self.roster.settings.decode_timeout,
-                          chunk_timeout=self.roster.settings.decode_chunk_timeout)
+                          **self._decode_timeouts(bool(leg.body.get("stream"))))
         try:
             self._check(resp, target, "decode", ctx)
             chunks = self.transport.iter_raw(resp, "decode")
@@ -258,8 +256,7 @@ class Pipeline:
         ctx.instances["decode"] = target.url
         started = time.monotonic()
         resp = self._post(target, "decode", path, leg, ctx,
-                          self.roster.settings.decode_timeout,
-                          chunk_timeout=self.roster.settings.decode_chunk_timeout)
+                          **self._decode_timeouts(bool(leg.body.get("stream"))))
         self._check(resp, target, "decode", ctx)
         ctx.mark("decode_first_byte", started)
         return self._reply(resp, ctx, stream=bool(leg.body.get("stream")),
@@ -303,23 +300,34 @@ class Pipeline:
         ctx.finish(status=resp.status_code)
         return Reply(resp.status_code, headers, data)
 
+    def _decode_timeouts(self, stream: bool) -> dict[str, float | None]:
+        """A stream's status line and first token come early, so ``decode_timeout`` bounds
+        them; a non-stream answer arrives whole at the end, so only the total does."""
+        settings = self.roster.settings
+        return {"read_timeout": settings.decode_timeout if stream else None,
+                "chunk_timeout": settings.decode_chunk_timeout,
+                "total_timeout": settings.decode_total_timeout or None}
+
     def _post(self, target: Instance, stage: str, path: str, leg: Leg,
-              ctx: RequestContext, read_timeout: float,
-              chunk_timeout: float | None = None) -> Upstream:
+              ctx: RequestContext, read_timeout: float | None,
+              chunk_timeout: float | None = None,
+              total_timeout: float | None = None) -> Upstream:
         headers = dict(ctx.upstream_headers)
         headers.update(leg.headers)
         headers["Content-Type"] = "application/json"
         return self._send(target, stage, "POST", target.url + path, ctx, headers=headers,
                           body=encode_json(leg.body), read_timeout=read_timeout,
-                          chunk_timeout=chunk_timeout)
+                          chunk_timeout=chunk_timeout, total_timeout=total_timeout)
 
     def _send(self, target: Instance, stage: str, method: str, url: str,
               ctx: RequestContext, *, headers: dict[str, str], body: bytes | None,
-              read_timeout: float, chunk_timeout: float | None = None) -> Upstream:
+              read_timeout: float | None, chunk_timeout: float | None = None,
+              total_timeout: float | None = None) -> Upstream:
         ctx.leg_open(stage, target.role, target.url)
         try:
             return self.transport.send(method, url, stage=stage, headers=headers, body=body,
-                                       read_timeout=read_timeout, chunk_timeout=chunk_timeout)
+                                       read_timeout=read_timeout, chunk_timeout=chunk_timeout,
+                                       total_timeout=total_timeout)
         except ProxyError as err:
             ctx.leg_close(stage, target.url, error=err)
             if isinstance(err, BackendUnavailable):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import http.client
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
@@ -55,6 +56,9 @@ DEFAULT_IDLE_TIMEOUT: float = settings.default("EPD_UPSTREAM_IDLE_TIMEOUT")
 #: The most one socket read takes; a relayed chunk is whatever one read brought.
 RELAY_READ_SIZE = 65536
 MAX_ERROR_BODY = 1 << 20
+#: Distinct read timeouts whose urllib3 ``Timeout`` is kept (what is left of a total
+#: deadline differs on every call, so those are built fresh).
+TIMEOUTS_KEPT = 64
 #: How often idle connections past their time are closed; never slower than a second.
 MAX_SWEEP_INTERVAL = 1.0
 #: A proxy never follows redirects nor retries by itself (``pools.py`` replays the one safe
@@ -69,15 +73,17 @@ class Upstream:
     closes it otherwise (the instance may still be writing: an abandoned stream must stop).
     """
 
-    __slots__ = ("content", "headers", "raw", "status_code", "timeouts", "url")
+    __slots__ = ("content", "deadline", "headers", "raw", "status_code", "timeouts", "url")
 
     def __init__(self, raw: urllib3.BaseHTTPResponse, url: str,
-                 timeouts: tuple[float, float | None]) -> None:
+                 timeouts: tuple[float | None, float | None],
+                 deadline: Deadline | None = None) -> None:
         self.raw = raw
         self.status_code = raw.status
         self.headers = raw.headers
         self.url = url
         self.timeouts = timeouts
+        self.deadline = deadline
         self.content: bytes | None = None
 
     @property
@@ -92,6 +98,28 @@ class Upstream:
         raw.release_conn()
 
 
+class Deadline:
+    """A limit on a whole upstream call, status line and body together (``total_timeout``):
+    each socket read may wait only what is left of it."""
+
+    __slots__ = ("at", "seconds")
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.at = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return max(self.at - time.monotonic(), 0.0)
+
+    def bound(self, timeout: float | None) -> tuple[float, bool]:
+        """The wait one read may take given its own ``timeout`` (None: unbounded), and
+        whether it is this deadline, not that timeout, which limits it."""
+        left = self.left()
+        if timeout is None or left <= timeout:
+            return left, True
+        return timeout, False
+
+
 class Transport:
     def __init__(self, connect_timeout: float = settings.default("connect_timeout"),
                  pool_maxsize: int = DEFAULT_POOL_MAXSIZE,
@@ -104,7 +132,7 @@ class Transport:
         self.trust = TrustStore(tls or TLSFiles())
         self._tls_generation = self.trust.generation
         self._pools: OrderedDict[tuple[str, str], Any] = OrderedDict()
-        self._timeouts: dict[float, Timeout] = {}
+        self._timeouts: dict[float | None, Timeout] = {}
         self.headers = {"User-Agent": f"epd-flask/{__version__}",
                         "Accept-Encoding": "identity"}
         if not keepalive:
@@ -156,11 +184,12 @@ class Transport:
             raise urllib3.exceptions.LocationValueError(f"unsupported scheme {scheme!r}")
         return RetiringHTTPConnectionPool(parts.host, parts.port, **kw)
 
-    def _timeout(self, read_timeout: float) -> Timeout:
+    def _timeout(self, read_timeout: float | None) -> Timeout:
         timeout = self._timeouts.get(read_timeout)
         if timeout is None:
-            timeout = self._timeouts[read_timeout] = Timeout(
-                connect=self.connect_timeout, read=read_timeout)
+            timeout = Timeout(connect=self.connect_timeout, read=read_timeout)
+            if len(self._timeouts) < TIMEOUTS_KEPT:
+                self._timeouts[read_timeout] = timeout
         return timeout
 
     def send(
@@ -171,27 +200,34 @@ class Transport:
         stage: str,
         headers: dict[str, str],
         body: bytes | None = None,
-        read_timeout: float,
+        read_timeout: float | None,
         chunk_timeout: float | None = None,
+        total_timeout: float | None = None,
         stream: bool = True,
     ) -> Upstream:
         """Open one upstream call; failures come back as taxonomy errors naming the stage.
 
-        ``read_timeout`` bounds the wait for the answer's first byte; ``chunk_timeout`` (if
-        given) then bounds each gap between body chunks while ``iter_raw`` relays it. With
-        ``stream=False`` the body is read at once into ``content``.
+        ``read_timeout`` bounds the wait for the answer's first byte (None: no bound);
+        ``chunk_timeout`` (if given) then bounds each gap between body chunks while
+        ``iter_raw`` relays it; ``total_timeout`` (if given) bounds the whole call, body
+        included. With ``stream=False`` the body is read at once into ``content``.
         """
+        deadline = Deadline(total_timeout) if total_timeout else None
+        wait, by_deadline = (deadline.bound(read_timeout) if deadline is not None
+                             else (read_timeout, False))
         try:
             pool, target = self._pool(url)
             raw = pool.urlopen(
                 method, target, body=body, headers={**self.headers, **headers},
                 retries=NO_RETRIES, redirect=False, assert_same_host=False,
-                timeout=self._timeout(read_timeout), preload_content=False,
+                timeout=self._timeout(wait), preload_content=False,
                 decode_content=False, release_conn=False,
             )
         except Exception as exc:
+            if by_deadline and deadline is not None and isinstance(exc, ReadTimeoutError):
+                raise _total_timeout(stage, url, deadline) from exc
             raise self._failure(exc, stage, url, read_timeout) from exc
-        resp = Upstream(raw, url, (read_timeout, chunk_timeout))
+        resp = Upstream(raw, url, (read_timeout, chunk_timeout), deadline)
         if not stream:
             resp.content = self.read_body(resp, stage)
         return resp
@@ -262,15 +298,25 @@ class Transport:
         whatever one socket read brought, forwarded at once; several SSE events that arrived
         together travel on as one piece."""
         read_timeout, chunk_timeout = resp.timeouts
+        deadline = resp.deadline
+        by_deadline = False
         first = True
         try:
+            if deadline is not None:
+                wait, by_deadline = deadline.bound(read_timeout)
+                _set_read_timeout(resp.raw, wait)
             for piece in _pieces(resp.raw):
-                if first and chunk_timeout is not None:
+                if deadline is not None:
+                    wait, by_deadline = deadline.bound(chunk_timeout)
+                    _set_read_timeout(resp.raw, wait)
+                elif first and chunk_timeout is not None:
                     _set_read_timeout(resp.raw, chunk_timeout)
                 first = False
                 yield piece
         except (ReadTimeoutError, TimeoutError) as exc:
             origin = _origin(resp.url)
+            if by_deadline and deadline is not None:
+                raise _total_timeout(stage, resp.url, deadline) from exc
             if first:
                 message = (f"{stage} instance {origin} sent no data within "
                            f"{read_timeout:g} s ({stage} timeout)"
@@ -329,10 +375,24 @@ def _pieces(raw: urllib3.BaseHTTPResponse) -> Iterator[bytes]:
     response.close()  # the body is complete: the connection may be reused
 
 
-def _set_read_timeout(raw: Any, seconds: float) -> None:
-    """From now on each socket read of this response may wait ``seconds``."""
-    conn = getattr(raw, "connection", None)
-    sock = getattr(conn, "sock", None)
+def _total_timeout(stage: str, url: str, deadline: Deadline) -> BackendTimeout:
+    origin = _origin(url)
+    return BackendTimeout(f"{stage} instance {origin} did not finish within "
+                          f"{deadline.seconds:g} s ({stage} total timeout)",
+                          stage=stage, instance=origin)
+
+
+def _set_read_timeout(raw: Any, seconds: float | None) -> None:
+    """From now on each socket read of this response may wait ``seconds``.
+
+    The socket is found through the response's own reader: for an answer that ends with the
+    connection (no length, or ``Connection: close``) http.client has already detached it
+    from the connection object, whose ``sock`` is then None.
+    """
+    fp = getattr(raw, "_fp", None)  # http.client.HTTPResponse
+    sock = getattr(getattr(getattr(fp, "fp", None), "raw", None), "_sock", None)
+    if sock is None:
+        sock = getattr(getattr(raw, "connection", None), "sock", None)
     if sock is not None:
         sock.settimeout(seconds)
 

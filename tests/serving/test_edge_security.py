@@ -164,9 +164,11 @@ def test_prefill_timeout_names_the_stage(sim, proxy) -> None:
 
 
 def test_decode_first_byte_timeout_names_the_stage(sim, proxy) -> None:
+    # A stream whose status line is late: vLLM sends it at once, so this decode is stuck.
     p, d = sim("prefill"), sim("decode", ttft=2.0)
     px = proxy(pd_roster([p], [d], decode_timeout=0.2, decode_retries=0))
-    r = post(px, COMPLETION)
+    d.state.inject(hang_next=1)
+    r = post(px, {**COMPLETION, "stream": True})
     assert r.status_code == 504
     message = r.json()["error"]["message"]
     assert message.startswith("decode instance") and message.endswith("(decode timeout)")
