@@ -99,7 +99,8 @@ def build_services(config: ProxyConfig, roster: Roster, generation: int = 0) -> 
         connector = cls(discovery.pick, discovery.ready)
     else:
         connector = cls(lambda exclude: Placement(router.pick("prefill", exclude)))
-    pipeline = Pipeline(roster, registry, router, transport, connector)
+    pipeline = Pipeline(roster, registry, router, transport, connector,
+                        max_event_bytes=config.max_event_bytes)
     prober = Prober(registry, transport, lambda: pipeline.roster.settings)
     state = StateDir(config.state_dir) if config.state_dir else None
     fleet = Fleet(roster, generation, registry, pipeline, config.roster_path, state,

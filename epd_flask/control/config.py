@@ -38,6 +38,8 @@ class ProxyConfig:
     api_keys: tuple[str, ...] = ()
     max_json_depth: int = default("EPD_MAX_JSON_DEPTH")
     admin_prefix: str = ""
+    # What upstream answers may cost a worker.
+    max_event_bytes: int = default("EPD_MAX_EVENT_BYTES")
     # Which URLs may be registered as instances (SSRF guard for the admin API).
     instance_schemes: tuple[str, ...] = default("EPD_INSTANCE_SCHEMES")
     instance_networks: tuple[str, ...] = field(default=())
@@ -79,6 +81,7 @@ class ProxyConfig:
             upstream_client_key=read("EPD_UPSTREAM_CLIENT_KEY", environ),
             api_keys=_api_keys(environ),
             max_json_depth=read("EPD_MAX_JSON_DEPTH", environ),
+            max_event_bytes=read("EPD_MAX_EVENT_BYTES", environ),
             admin_prefix=read("EPD_ADMIN_PREFIX", environ).strip(),
             instance_schemes=read("EPD_INSTANCE_SCHEMES", environ),
             instance_networks=read("EPD_INSTANCE_NETWORKS", environ),

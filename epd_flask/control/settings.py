@@ -177,6 +177,10 @@ _ENV_VARS = (
     EnvVar("EPD_API_KEYS_FILE", str, None, "serving API keys, one per line", (APP,),
            shown="(none: open)"),
     EnvVar("EPD_MAX_JSON_DEPTH", int, 64, "request bodies nested deeper get 400", (APP,)),
+    # vLLM's events are hundreds of bytes (kilobytes with logprobs); relaying one means
+    # holding it whole until its end.
+    EnvVar("EPD_MAX_EVENT_BYTES", int, 4 * 1024 * 1024,
+           "longest SSE event relayed from decode", (APP,)),
     EnvVar("EPD_ADMIN_PREFIX", str, "", "path prefix of the admin API", (APP,),
            shown="(none)"),
     EnvVar("EPD_INSTANCE_SCHEMES", tuple, ("http", "https"),

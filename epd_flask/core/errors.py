@@ -172,6 +172,12 @@ class StreamInterrupted(BackendError):
     code = "stream_interrupted"
 
 
+class EventTooLarge(StreamInterrupted):
+    """An upstream event past the proxy's limit: the stream ends rather than hold it whole."""
+
+    code = "upstream_event_too_large"
+
+
 class BackendStatus(BackendError):
     """The instance answered with an error status.
 

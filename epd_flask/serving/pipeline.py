@@ -18,6 +18,7 @@ from functools import partial
 from typing import Any
 
 from epd_flask.control.roster import Instance, Roster
+from epd_flask.control.settings import default
 from epd_flask.core import jsoncodec
 from epd_flask.core.errors import (
     BackendError,
@@ -54,8 +55,10 @@ class Reply:
 
 class Pipeline:
     def __init__(self, roster: Roster, registry: Registry, router: Router,
-                 transport: Transport, connector: Connector) -> None:
+                 transport: Transport, connector: Connector,
+                 max_event_bytes: int = default("EPD_MAX_EVENT_BYTES")) -> None:
         self.roster = roster
+        self.max_event_bytes = max_event_bytes
         self.registry = registry
         self.router = router
         self.transport = transport
@@ -276,7 +279,8 @@ class Pipeline:
             rewrite = partial(usage.rewrite_events, cached=cached_tokens) \
                 if cached_tokens and resp.status_code == 200 else None
             return Reply(resp.status_code, headers, relay.sse(
-                self.transport, resp, ctx, chunks=chunks, rewrite=rewrite, side=side))
+                self.transport, resp, ctx, chunks=chunks, rewrite=rewrite, side=side,
+                max_event=self.max_event_bytes))
         if stream:
             return Reply(resp.status_code, headers,
                          relay.raw(self.transport, resp, ctx, chunks=chunks, side=side))

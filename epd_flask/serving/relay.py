@@ -15,8 +15,9 @@ import logging
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from epd_flask.control.settings import default
 from epd_flask.core import errors
-from epd_flask.core.errors import ProxyError
+from epd_flask.core.errors import EventTooLarge, ProxyError
 from epd_flask.serving.context import RequestContext
 from epd_flask.serving.legs import Call
 from epd_flask.serving.usage import USAGE_KEY
@@ -62,11 +63,14 @@ class Relayed:
 def sse(transport: Transport, resp: Upstream, ctx: RequestContext,
         stage: str = "decode", *, chunks: Iterable[bytes] | None = None,
         rewrite: Callable[[bytes], bytes] | None = None,
-        side: Call[Any] | None = None) -> Relayed:
+        side: Call[Any] | None = None,
+        max_event: int = default("EPD_MAX_EVENT_BYTES")) -> Relayed:
     """Relay whole SSE events; ``chunks`` continues a body already started, ``rewrite`` edits
     events that carry a usage object (the only ones it is called for), ``side`` is a leg that
-    must end with this stream."""
-    return Relayed(_sse(transport, resp, ctx, stage, chunks, rewrite, side), resp, ctx, side)
+    must end with this stream. An event longer than ``max_event`` bytes ends the stream with
+    an in-band error and closes the upstream: relaying it would mean holding it whole."""
+    return Relayed(_sse(transport, resp, ctx, stage, chunks, rewrite, side, max_event),
+                   resp, ctx, side)
 
 
 def raw(transport: Transport, resp: Upstream, ctx: RequestContext,
@@ -82,28 +86,50 @@ def raw(transport: Transport, resp: Upstream, ctx: RequestContext,
 
 def _sse(transport: Transport, resp: Upstream, ctx: RequestContext, stage: str,
          chunks: Iterable[bytes] | None, rewrite: Callable[[bytes], bytes] | None,
-         side: Call[Any] | None) -> Iterator[bytes]:
-    held = b""
+         side: Call[Any] | None, max_event: int) -> Iterator[bytes]:
+    # The unfinished event's pieces, kept apart until its end arrives: joining them on every
+    # read, and searching the join for an event end, cost quadratic time in a long event
+    # (a 20 MB event without a line break held the worker for seconds).
+    held: list[bytes] = []
+    held_len = 0
     completed = False
     try:
         for chunk in transport.iter_raw(resp, stage) if chunks is None else chunks:
+            cut = chunk.rfind(EVENT_END)
+            if cut >= 0:
+                end = cut + 2
+            elif held and chunk[:1] == b"\n" and held[-1][-1:] == b"\n":
+                end = 1  # the blank line was split between two reads
+            else:
+                held.append(chunk)
+                held_len += len(chunk)
+                if held_len > max_event:
+                    raise EventTooLarge(_too_large(stage, max_event), stage=stage,
+                                        instance=ctx.instances.get(stage))
+                continue
             if held:
-                chunk = held + chunk
-                held = b""
-            if not chunk.endswith(EVENT_END):
-                cut = chunk.rfind(EVENT_END)
-                if cut < 0:
-                    held = chunk
-                    continue
-                held = chunk[cut + 2:]
-                chunk = chunk[:cut + 2]
-            if rewrite is not None and USAGE_KEY in chunk:
-                chunk = rewrite(chunk)
-            ctx.relayed(len(chunk), chunk.count(EVENT_END))
-            yield chunk
+                first = chunk.find(EVENT_END) + 2 if end > 1 else 1
+                if held_len + first > max_event:
+                    raise EventTooLarge(_too_large(stage, max_event), stage=stage,
+                                        instance=ctx.instances.get(stage))
+                held.append(chunk[:end])
+                out = b"".join(held)
+                held.clear()
+                held_len = 0
+            else:
+                out = chunk if end == len(chunk) else chunk[:end]
+            if end < len(chunk):
+                rest = chunk[end:]
+                held.append(rest)
+                held_len = len(rest)
+            if rewrite is not None and USAGE_KEY in out:
+                out = rewrite(out)
+            ctx.relayed(len(out), out.count(EVENT_END))
+            yield out
         if held:
-            ctx.relayed(len(held), 0)
-            yield held
+            rest = b"".join(held)
+            ctx.relayed(len(rest), 0)
+            yield rest
         completed = True
         ctx.finish()
     except ProxyError as err:
@@ -116,6 +142,11 @@ def _sse(transport: Transport, resp: Upstream, ctx: RequestContext, stage: str,
     finally:
         resp.close()
         end_side_leg(side, completed)
+
+
+def _too_large(stage: str, max_event: int) -> str:
+    return (f"{stage} sent an event larger than this proxy relays ({max_event} bytes, "
+            "EPD_MAX_EVENT_BYTES); the stream was ended")
 
 
 def _raw(transport: Transport, resp: Upstream, ctx: RequestContext, stage: str,
