@@ -28,7 +28,7 @@ class ProxyConfig:
     # header. An environment variable, not a roster key: the roster is rewritten by the admin
     # API and shown to operators, a secret should be neither.
     backend_api_key: str | None = None
-    # Upstream connections (T7) and TLS (T5).
+    # Upstream connections and TLS (docs/behaviour.md#transport).
     upstream_idle_timeout: float = default("EPD_UPSTREAM_IDLE_TIMEOUT")
     upstream_keepalive: bool = default("EPD_UPSTREAM_KEEPALIVE")
     upstream_ca_bundle: str | None = None

@@ -32,7 +32,8 @@ class RosterError(ValueError):
 
 
 class RoleConflict(RosterError):
-    """Two records disagree about an instance's role, or combined and split roles mix (R1).
+    """Two records disagree about an instance's role, or combined and split roles mix
+    (docs/behaviour.md#roster).
 
     Separate from field errors so the admin API can answer 409 instead of 422.
     """
@@ -62,7 +63,7 @@ class Instance(_Strict):
 
 
 def normalize_url(value: str) -> str:
-    """An instance's identity: its base URL without a trailing slash (R1)."""
+    """An instance's identity: its base URL without a trailing slash (docs/behaviour.md#roster)."""
     value = value.strip().rstrip("/")
     parts = urlsplit(value)
     try:
@@ -101,7 +102,7 @@ class Roster(_Strict):
 
 
 def check_rules(roster: Roster) -> None:
-    """The cross-instance rules a schema cannot express (catalogue R1/R2)."""
+    """The cross-instance rules a schema cannot express (docs/behaviour.md#roster)."""
     urls = Counter(i.url for i in roster.instances)
     dupes = sorted(u for u, n in urls.items() if n > 1)
     if dupes:
@@ -134,8 +135,9 @@ def check_rules(roster: Roster) -> None:
 
 def check_ec_consumers(roster: Roster) -> None:
     """Encoders push Mooncake EC embeddings to one replica of the stage that runs the request
-    (R2/R4). Only a prefill_decode instance runs the whole request, so only E+PD can name that
-    replica safely; a mixed fleet would send some requests where no push was addressed."""
+    (docs/behaviour.md#routing). Only a prefill_decode instance runs the whole request, so
+    only E+PD can name that replica safely; a mixed fleet would send some requests where no
+    push was addressed (docs/behaviour.md#roster)."""
     for inst in roster.instances:
         if inst.ec_zmq_addrs is not None and inst.role != "prefill_decode":
             raise RosterError(
@@ -155,7 +157,7 @@ def check_ec_consumers(roster: Roster) -> None:
 
 
 def check_instance(inst: Instance) -> None:
-    """Rules within one record that its fields alone cannot express (R2)."""
+    """Rules within one record that its fields alone cannot express (docs/behaviour.md#roster)."""
     if inst.ec_zmq_addrs is not None and len(inst.ec_zmq_addrs) != inst.dp_size:
         raise RosterError(
             f"instance {inst.url}: ec_zmq_addrs has {len(inst.ec_zmq_addrs)} entries but "

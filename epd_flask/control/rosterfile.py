@@ -43,8 +43,9 @@ class Change:
 def register(path: str | os.PathLike[str], inst: Instance) -> Change:
     """Add ``inst`` to the file, or update the record with the same URL and role.
 
-    An identical record is left alone (R6: re-registering is a no-op). A URL already listed
-    in another role, or a role that would mix combined and split serving, is a RoleConflict.
+    An identical record is left alone (re-registering is a no-op, docs/behaviour.md#roster).
+    A URL already listed in another role, or a role that would mix combined and split
+    serving, is a RoleConflict.
     """
     target = _real(path)
     current, doc = _read(target)

@@ -1,4 +1,4 @@
-"""Which headers cross the proxy, in each direction (T3).
+"""Which headers cross the proxy, in each direction (docs/behaviour.md#edge).
 
 Inbound, only an allowlist of end-to-end headers reaches an upstream: anything else (cookies,
 proxy credentials, hop-by-hop headers) stays at the edge. Outbound, hop-by-hop headers and

@@ -1,4 +1,5 @@
-"""The background greenlet that probes every instance's ``/health`` (R5).
+"""The background greenlet that probes every instance's ``/health``
+(docs/behaviour.md#health-probes).
 
 Started by the server (a gunicorn hook, or a test fixture), never by the app factory. The
 first round runs at once, so a new worker learns about instances that died after the health

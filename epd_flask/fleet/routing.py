@@ -1,6 +1,7 @@
 """Which instance takes the next request of a role.
 
-Round-robin over live instances with one cursor per role that only ever advances (R3): a
+Round-robin over live instances with one cursor per role that only ever advances
+(docs/behaviour.md#routing): a
 roster change or an eviction shifts the list but never restarts the rotation at its head.
 """
 
@@ -50,7 +51,7 @@ class Router:
         """``count`` instances in rotation order, e.g. one encoder per media item.
 
         The cursor moves by ``count``, so the next request continues where this one stopped
-        instead of starting again at the first instance (R3).
+        instead of starting again at the first instance.
         """
         live = self.registry.live(role)
         if not live:
@@ -59,7 +60,7 @@ class Router:
         return [live[next(cursor) % len(live)] for _ in range(count)]
 
     def next_replica(self, instance: Instance) -> int:
-        """The next data-parallel replica of ``instance``, round-robin per instance (R4)."""
+        """The next data-parallel replica of ``instance``, round-robin per instance."""
         if instance.dp_size <= 1:
             return 0
         cursor = self._replicas.get(instance.url)

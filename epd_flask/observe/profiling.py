@@ -1,5 +1,6 @@
-"""The profiler switch for the whole fleet (T9): ``POST /start_profile`` or ``/stop_profile``
-goes to every live instance of every role at once, and the answer reports each instance.
+"""The profiler switch for the whole fleet (docs/behaviour.md#edge): ``POST /start_profile``
+or ``/stop_profile`` goes to every live instance of every role at once, and the answer reports
+each instance.
 
 vLLM serves these routes only when it was started with a profiler configured; elsewhere they
 are 404, which is reported for that instance and does not fail the call.

@@ -1,9 +1,10 @@
 """The encode stage of one request (E+PD, E+P+D): its media to the encoders, then the body the
-next stage gets instead (M1-M7), and the replica that stage must run on (R4).
+next stage gets instead (docs/behaviour.md#encoders-and-rewriting), and the replica that stage
+must run on (docs/behaviour.md#routing).
 
 Plans and rewrites with ``multimodal``, calls encoders through ``fanout``. A failed encoder call
 goes once to another encoder (unreachable, 5xx, cut mid-answer); a failure that remains fails
-the request before any prefill or decode call (M4), and the request is not retried as a whole.
+the request before any prefill or decode call, and the request is not retried as a whole.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ class EncodeStage:
                                       timeout=settings.encoder_timeout, ctx=ctx,
                                       alternate=self._other_encoder)
         except BackendStatus as err:
-            err.retryable = False  # M4: the encoder's own status reaches the client
+            err.retryable = False  # the encoder's own status reaches the client
             raise
         except BackendError as err:
             raise BackendError(f"encoding failed: {err.message}", code=err.code,
@@ -106,9 +107,10 @@ class EncodeStage:
         return self.router.pick("encode", exclude=frozenset({failed.url}))
 
     def _pin_replica(self, consumer: Instance) -> tuple[str | None, dict[str, str]]:
-        """With push consumers (R4), one replica is named to both the encoders (its address)
-        and the stage that runs the request (the rank header), so the push lands where the
-        request runs. Pull and shared-storage connectors need no pinning."""
+        """With push consumers (docs/behaviour.md#routing), one replica is named to both the
+        encoders (its address) and the stage that runs the request (the rank header), so the
+        push lands where the request runs. Pull and shared-storage connectors need no
+        pinning."""
         if not consumer.ec_zmq_addrs:
             return None, {}
         rank = self.router.next_replica(consumer)

@@ -1,4 +1,5 @@
-"""Concurrent encoder calls for one request, on a bounded gevent pool (M4).
+"""Concurrent encoder calls for one request, on a bounded gevent pool
+(docs/behaviour.md#encoders-and-rewriting).
 
 Every call starts at once (up to the bound); a call whose encoder is unreachable, answers 5xx
 or dies mid-answer goes once to another live encoder; the first failure that stays ends the

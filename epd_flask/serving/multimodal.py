@@ -1,8 +1,8 @@
-"""Media items of a chat request: find them (M1), key them (M2), batch them for encoders (M3),
-match what encoders report (M5) and rewrite the body for the next stage (M6, M7).
+"""Media items of a chat request: find them, key them, batch them for encoders, match what
+encoders report and rewrite the body for the next stage (docs/behaviour.md#encoders-and-rewriting).
 
 Pure functions from dicts to dicts, no I/O. The client's body is never mutated, so a retry
-(P4) re-encodes from the original media.
+(docs/behaviour.md#failover) re-encodes from the original media.
 """
 
 from __future__ import annotations
@@ -55,15 +55,15 @@ class Batch(Generic[T]):
 class Encoded:
     """What an encoder reported for one item, with what the proxy sent it."""
 
-    uuid: str | None  # the uuid the encoder was sent (None under M7: no uuids)
+    uuid: str | None  # the uuid the encoder was sent (None without rewrite: no uuids)
     ec_key: str  # the key the encoder published under (it may rehash the uuid)
     metadata: dict[str, Any]
     entry: dict[str, Any]  # the whole reported entry: metadata plus connector handles
-    transfer_id: str | None = None  # Mooncake EC push (R4)
+    transfer_id: str | None = None  # Mooncake EC push (docs/behaviour.md#routing)
 
 
 def content_key(part: Mapping[str, Any]) -> str:
-    """A cache key from the item's content: its URL, else its canonical JSON (M2).
+    """A cache key from the item's content: its URL, else its canonical JSON.
 
     Content-derived and never per-request, so the same media in two requests shares one key
     and the encoder cache keeps serving it.
@@ -80,7 +80,7 @@ def content_key(part: Mapping[str, Any]) -> str:
 
 
 def extract(body: Mapping[str, Any]) -> list[MediaItem]:
-    """Every media item in ``messages[*].content`` lists, in order (M1)."""
+    """Every media item in ``messages[*].content`` lists, in order."""
     items: list[MediaItem] = []
     messages = body.get("messages")
     for message in messages if isinstance(messages, list) else ():
@@ -97,7 +97,7 @@ def extract(body: Mapping[str, Any]) -> list[MediaItem]:
 
 def plan_batches(items: Sequence[MediaItem], targets: Sequence[T],
                  max_batch: int = 0) -> list[Batch[T]]:
-    """Group items by their assigned encoder (M3): images to one encoder share a request of at
+    """Group items by their assigned encoder: images to one encoder share a request of at
     most ``max_batch`` items (0: unlimited); audio and video go one per request."""
     if len(items) != len(targets):
         raise ValueError("every item needs exactly one target")
@@ -118,11 +118,11 @@ def plan_batches(items: Sequence[MediaItem], targets: Sequence[T],
 def encoder_body(body: Mapping[str, Any], items: Sequence[MediaItem], *, send_uuids: bool,
                  consumer_zmq: str | None = None,
                  transfer_ids: Mapping[int, str] | None = None) -> Body:
-    """One encoder request: the media only (no text), the model, no streaming (M3).
+    """One encoder request: the media only (no text), the model, no streaming.
 
     With ``send_uuids`` each item carries its key so the encoder publishes under the same key
-    the next stage will ask for. With a push consumer (R4) the encoder learns its control
-    address and one transfer id per item, in item order.
+    the next stage will ask for. With a push consumer (docs/behaviour.md#routing) the encoder
+    learns its control address and one transfer id per item, in item order.
     """
     content = [{**i.part, "uuid": i.key} if send_uuids else i.part for i in items]
     out: Body = {}
@@ -143,7 +143,7 @@ def encoder_body(body: Mapping[str, Any], items: Sequence[MediaItem], *, send_uu
 def match_batch(items: Sequence[MediaItem], params: Any, *, send_uuids: bool,
                 audio_in_video: bool = False,
                 transfer_ids: Mapping[int, str] | None = None) -> dict[int, Encoded]:
-    """Pair each item of one batch with the entry its encoder reported (M5).
+    """Pair each item of one batch with the entry its encoder reported.
 
     By ``item_indices`` (positions in the batch) first, else by the key the item was sent,
     else the single entry of a single-item batch. A video whose audio was encoded with it
@@ -208,7 +208,7 @@ def flatten_metadata(metadata: Mapping[str, Any]) -> dict[str, Any]:
 
 def rewrite(body: Mapping[str, Any], items: Sequence[MediaItem],
             encoded: Mapping[int, Encoded]) -> Body:
-    """The next stage's body (M6): each item with metadata becomes a ``<kind>_embeds``
+    """The next stage's body: each item with metadata becomes a ``<kind>_embeds``
     reference under its uuid; the rest stay raw media but carry the uuid the encoder got, so
     the next stage finds the embedding by that key. If any audio item cannot be rewritten,
     every item stays raw (audio processors count other modalities' placeholders too).
@@ -254,7 +254,8 @@ def attach_handles(body: Mapping[str, Any], encoded: Mapping[int, Encoded], *,
                    rewritten: bool) -> Body:
     """Carry each reported entry (the connector's handle) to the next stage under its key.
 
-    Without a rewrite (M7) the push transfer ids are added here, since ``rewrite`` did not.
+    Without a rewrite (``rewrite_media: false``) the push transfer ids are added here, since
+    ``rewrite`` did not.
     """
     handles: dict[str, Any] = {}
     for index in sorted(encoded):

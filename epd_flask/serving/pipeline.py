@@ -1,9 +1,9 @@
 """One request's journey: route, prefill, open decode, hand the answer to the relay.
 
 Everything that can fail before the client sees a status line happens here, so it can still be
-retried (P4) or turned into a proper error response. Nothing here knows about Flask. The
-connector shapes the legs and says how they run: prefill drained before decode opens
-(``_sequential_legs``), or both at once (``_concurrent_legs``, Mooncake).
+retried (docs/behaviour.md#failover) or turned into a proper error response. Nothing here
+knows about Flask. The connector shapes the legs and says how they run: prefill drained before
+decode opens (``_sequential_legs``), or both at once (``_concurrent_legs``, Mooncake).
 """
 
 from __future__ import annotations
@@ -93,8 +93,9 @@ class Pipeline:
             except ProxyError as err:
                 if not err.retryable or attempt + 1 >= attempts:
                     raise
-                # Failover (P4): nothing reached the client yet, and the failed instance is in
-                # ctx.failed, so routing prefers another live one of its role next time.
+                # Failover (docs/behaviour.md#failover): nothing reached the client yet, and
+                # the failed instance is in ctx.failed, so routing prefers another live one of
+                # its role next time.
                 ctx.retry(err)
                 self.counters[f"retried_{err.stage or 'unknown'}"] += 1
                 logger.warning("request %s: attempt %d of %d failed at %s on %s (%s); retrying "
@@ -104,7 +105,7 @@ class Pipeline:
 
     def passthrough(self, method: str, path: str, query: str, body: bytes | None,
                     content_type: str | None, ctx: RequestContext) -> Reply:
-        """Any other route goes to a decode-side instance unchanged (T2)."""
+        """Any other route goes to a decode-side instance unchanged (docs/behaviour.md#edge)."""
         target = self.router.pick(self.decode_role)
         ctx.instances["decode"] = target.url
         headers = dict(ctx.upstream_headers)
@@ -116,8 +117,9 @@ class Pipeline:
         return self._reply(resp, ctx, stream=True)
 
     def _attempt(self, path: str, body: dict[str, Any], ctx: RequestContext) -> Reply:
-        # Every attempt encodes again from the client's body (P4): the consumer is chosen
-        # first because the encoders may have to push to it (R4).
+        # Every attempt encodes again from the client's body (docs/behaviour.md#failover): the
+        # consumer is chosen first because the encoders may have to push to it
+        # (docs/behaviour.md#routing).
         if self.roster.combined:
             target = self.router.pick("prefill_decode", exclude=frozenset(ctx.failed))
             staged = self.encode.run(body, ctx, target, self.roster.settings)

@@ -1,5 +1,6 @@
-"""The life of one upstream connection (T7): reused while fresh, retired before the instance
-closes it, replayed once on a fresh socket when a reused one turns out to be dead.
+"""The life of one upstream connection (docs/behaviour.md#transport): reused while fresh,
+retired before the instance closes it, replayed once on a fresh socket when a reused one turns
+out to be dead.
 
 urllib3 pool and connection subclasses, used only by ``transport.py``. vLLM (uvicorn) closes
 a keep-alive connection 5 s after its last response (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``); a

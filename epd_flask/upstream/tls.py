@@ -1,5 +1,5 @@
-"""Trust and identity for https:// instances (T5): which CAs we believe, which certificate we
-show, re-read when the files on disk change.
+"""Trust and identity for https:// instances (docs/behaviour.md#transport): which CAs we
+believe, which certificate we show, re-read when the files on disk change.
 
 Imported by the transport only (inside workers): loading ``ssl`` in the gunicorn master is not
 allowed, and gevent must have patched it first.

@@ -1,4 +1,5 @@
-"""The admin API (R6): ``GET``/``POST /instances`` and ``DELETE /instances?url=``.
+"""The admin API (docs/behaviour.md#roster): ``GET``/``POST /instances`` and
+``DELETE /instances?url=``.
 
 Thin views: check ``ADMIN_API_KEY``, parse, apply the SSRF policy for instance URLs, hand
 the change to this worker's ``Fleet``, which persists it to the roster file and makes every

@@ -62,7 +62,8 @@ def _body() -> bytes:
 def parse_object(
     raw: bytes, max_depth: int = settings.default("EPD_MAX_JSON_DEPTH")
 ) -> dict[str, Any]:
-    """T1: the body must be one JSON object; anything else is refused before any backend."""
+    """The body must be one JSON object; anything else is refused before any backend
+    (docs/behaviour.md#edge)."""
     if not raw.strip():
         raise ClientError("request body is empty; send a JSON object", code="invalid_json")
     try:
@@ -165,7 +166,8 @@ def ready() -> Response:
 @bp.route("/", defaults={"path": ""}, methods=["GET", "POST"])
 @bp.route("/<path:path>", methods=["GET", "POST"])
 def passthrough(path: str) -> Response:
-    """T2: everything else reaches a decode-side instance with its query string."""
+    """Everything else reaches a decode-side instance with its query string
+    (docs/behaviour.md#edge)."""
     ctx = _context()
     with _accounted(ctx):
         _authorize()

@@ -5,10 +5,11 @@ The rule for what is checked here: the fields the proxy reads, rewrites or branc
 ``stream``/``stream_options`` for the prefill rewrite, ``prompt``, ``model``) must have the types
 OpenAI's API documents, judged as JSON Schema judges them (``5.0`` is an integer, ``"5"`` and
 ``true`` are not). A wrong type there would otherwise cost an encoder and a prefill call before
-decode refused it, or be silently rewritten away by the prefill body (P1). Everything else
-(value ranges that need the model, sampling parameters, tools, unknown fields) is vLLM's to
-judge; its 4xx answer is relayed as it wrote it. Plain functions over the parsed body; imports
-only ``errors``.
+decode refused it, or be silently rewritten away by the prefill body
+(docs/behaviour.md#prefill-and-decode). Everything else (value ranges that need the model,
+sampling parameters, tools, unknown fields) is vLLM's to judge; its 4xx answer is relayed as it
+wrote it (docs/behaviour.md#edge). Plain functions over the parsed body; imports only
+``errors``.
 """
 
 from __future__ import annotations

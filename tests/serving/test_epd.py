@@ -159,7 +159,8 @@ def test_a_failed_encoder_call_goes_once_to_another_encoder(sim, proxy, fault) -
         e0.stop()
     else:
         e0.state.inject(**fault)
-    # Three items: the images go to e0 and e1 one each, the audio to e0 (round-robin, M3).
+    # Three items: the images go to e0 and e1 one each, the audio to e0 (round-robin,
+    # docs/behaviour.md#encoders-and-rewriting).
     r = post(px, chat(image(), image(), audio()))
     assert r.status_code == 200, r.text
     failed_calls = 1 if fault != "stopped" else 2

@@ -1,4 +1,5 @@
-"""T7: upstream keep-alive against instances that close idle connections (vLLM: 5 s).
+"""Upstream keep-alive against instances that close idle connections (vLLM: 5 s), as
+docs/behaviour.md#transport specifies.
 
 Idle connections are retired before the instance closes them; a request that still meets a
 dead reused connection before any answer is sent once more on a fresh one; and a

@@ -134,7 +134,8 @@ def test_decode_500_once_is_retried_with_a_fresh_prefill(sim, proxy) -> None:
     assert r.status_code == 200
     assert sse_events(r)[-1] == "[DONE]"
     assert d.state.stats()["failed_injected"] == 1
-    assert p.state.stats()["completions"] == 2  # P4: prefill ran again for the retry
+    # A retry runs prefill again (docs/behaviour.md#failover).
+    assert p.state.stats()["completions"] == 2
     assert d.state.stats()["kv_handles_valid"] == 1
 
 

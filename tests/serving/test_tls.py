@@ -1,5 +1,6 @@
-"""T5: https instances verified against the configured CA bundle and only it, rotation without
-a restart, mutual TLS, and a bundle that cannot be used stopping the start."""
+"""https instances verified against the configured CA bundle and only it, rotation without a
+restart, mutual TLS, and a bundle that cannot be used stopping the start
+(docs/behaviour.md#transport)."""
 
 from __future__ import annotations
 

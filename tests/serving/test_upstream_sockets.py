@@ -1,4 +1,5 @@
-"""T6 at the transport level: every way out of a request gives back its upstream sockets.
+"""Every way out of a request gives back its upstream sockets (docs/behaviour.md#transport),
+at the transport level.
 
 Counted the way an operator would: this process's open file descriptors that are TCP sockets
 connected to an instance's port (/proc/self/fd matched against /proc/self/net/tcp*).

@@ -1,4 +1,5 @@
-"""Every connector's leg bodies and headers, as pure functions (P1, P2, P3, P2P NCCL)."""
+"""Every connector's leg bodies and headers, as pure functions: the prefill body, nixl,
+mooncake, none and p2p_nccl (docs/behaviour.md#prefill-and-decode)."""
 
 from __future__ import annotations
 

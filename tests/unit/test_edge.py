@@ -1,4 +1,4 @@
-"""Header hygiene, request ids and the error shape (T1, T3)."""
+"""Header hygiene, request ids and the error shape (docs/behaviour.md#edge)."""
 
 from __future__ import annotations
 

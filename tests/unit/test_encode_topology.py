@@ -1,5 +1,5 @@
-"""Encoder topology: the roster's EC consumer rules (R2/R4), encoder settings, and the encoder
-rotation and replica cursors (R3/R4)."""
+"""Encoder topology: the roster's EC consumer rules (docs/behaviour.md#roster), encoder settings,
+and the encoder rotation and replica cursors (docs/behaviour.md#routing)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The pure multimodal rules: items (M1), keys (M2), batches (M3), matching (M5), rewrite (M6/M7).
+"""The pure multimodal rules of docs/behaviour.md#encoders-and-rewriting: items, keys, batches,
+matching, rewrite and the no-rewrite switch.
 
 Each rule of the catalogue is one row (or more) of a table below.
 """
@@ -34,7 +35,7 @@ def sha(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-# -- M1 extraction and M2 keys ------------------------------------------------------------------
+# -- extraction and keys ------------------------------------------------------------------------
 
 def test_extract_finds_every_media_type_in_order_across_messages() -> None:
     body = {"messages": [
@@ -76,7 +77,7 @@ def test_same_media_same_key_across_requests_and_key_order() -> None:
     assert mm.extract(chat(IMG_B))[0].key != first[0].key
 
 
-# -- M3 batches and encoder bodies --------------------------------------------------------------
+# -- batches and encoder bodies -----------------------------------------------------------------
 
 @pytest.mark.parametrize("parts, targets, max_batch, expected", [
     # images on the same encoder share one request, in order of first appearance
@@ -109,7 +110,7 @@ def test_encoder_body_carries_media_only_and_the_passthrough_fields() -> None:
         "stream": False, "mm_processor_kwargs": {"fps": 1}, "media_io_kwargs": {"video": {}},
         "priority": 3, "session_id": "s",
     }
-    bare = mm.encoder_body({"messages": []}, items, send_uuids=False)  # M7: no uuids
+    bare = mm.encoder_body({"messages": []}, items, send_uuids=False)  # rewrite_media off: no uuids
     assert bare["messages"][0]["content"] == [IMG_A, IMG_B] and "model" not in bare
 
 
@@ -121,7 +122,7 @@ def test_encoder_body_names_the_push_consumer_and_transfer_ids() -> None:
         "consumer_zmq": "tcp://c:1", "ec_items": [{"transfer_id": "t1"}, {"transfer_id": "t2"}]}
 
 
-# -- M5 matching --------------------------------------------------------------------------------
+# -- matching -----------------------------------------------------------------------------------
 
 def entry(indices: Any = None, metadata: Any = None, **handles: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"metadata": GRID if metadata is None else metadata}
@@ -153,9 +154,9 @@ MATCH_ROWS = [
      {"v": entry([0]), "a": entry([0])}, {"audio_in_video": True}, {}),
     ("video with its audio, its key reported: matched", [VIDEO],
      {"K0": entry([0]), "a": entry([0])}, {"audio_in_video": True}, {0: "K0"}),
-    ("M7: no uuids sent, matched by index", [IMG_A, IMG_B],
+    ("no rewrite: no uuids sent, matched by index", [IMG_A, IMG_B],
      {"x": entry([1]), "y": entry([0])}, {"send_uuids": False}, {0: "y", 1: "x"}),
-    ("M7: single entry still matches", [IMG_A], {"x": entry()}, {"send_uuids": False},
+    ("no rewrite: single entry still matches", [IMG_A], {"x": entry()}, {"send_uuids": False},
      {0: "x"}),
 ]
 MISMATCH_ROWS = [
@@ -173,7 +174,7 @@ MISMATCH_ROWS = [
      "media item 0"),
     ("single item, two unrelated entries", [IMG_A], {"x": entry(), "y": entry()}, {},
      "media item 0"),
-    ("M7: the key fallback is gone", [IMG_A, IMG_B], {"K0": entry(), "K1": entry()},
+    ("no rewrite: the key fallback is gone", [IMG_A, IMG_B], {"K0": entry(), "K1": entry()},
      {"send_uuids": False}, "media item 0"),
     ("video+audio without the switch", [VIDEO], {"v": entry(), "a": entry()}, {},
      "media item 0"),
@@ -229,7 +230,7 @@ def test_match_uses_positions_within_the_batch() -> None:
     assert {i: e.ec_key for i, e in got.items()} == {1: "b", 2: "c"}
 
 
-# -- M6 rewrite ---------------------------------------------------------------------------------
+# -- rewrite ------------------------------------------------------------------------------------
 
 def enc(item: mm.MediaItem, metadata: dict[str, Any] | None = None, ec_key: str | None = None,
         transfer_id: str | None = None) -> Encoded:

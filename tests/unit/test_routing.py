@@ -1,4 +1,5 @@
-"""Round-robin cursors and the live/evicted registry (R3, R5)."""
+"""Round-robin cursors and the live/evicted registry (docs/behaviour.md#routing,
+docs/behaviour.md#health-probes)."""
 
 from __future__ import annotations
 

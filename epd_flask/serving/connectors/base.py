@@ -1,4 +1,5 @@
-"""What every KV connector shares: the interface, the route one attempt takes, and the P1 rules.
+"""What every KV connector shares: the interface, the route one attempt takes, and the
+prefill body (docs/behaviour.md#prefill-and-decode).
 
 A connector decides the shape of a P+D request: which prefill (and rank) takes it, what each
 leg's body and headers are, and whether the legs run one after the other or at once. The
@@ -18,7 +19,8 @@ Readiness = tuple[bool, str]
 
 
 def prime_body(body: Body) -> Body:
-    """The prefill leg's body (P1): compute the prompt's KV, generate one token, don't stream.
+    """The prefill leg's body (docs/behaviour.md#prefill-and-decode): compute the prompt's KV,
+    generate one token, don't stream.
 
     A new dict is returned; the client's body is never mutated, so a retry starts from it.
     """
@@ -55,7 +57,7 @@ class Route:
     prefill: Placement
     decode: Instance
     request_id: str  # the id every leg is known by upstream (X-Request-Id)
-    attempt: int = 0  # 0 for the first try, then 1, 2 ... for P4 retries
+    attempt: int = 0  # 0 for the first try, then 1, 2 ... for retries
 
 
 @dataclass

@@ -5,7 +5,8 @@ of every DP rank; decode needs that id to pull the KV. The ids change whenever a
 restarts, so a background greenlet (started by the server, like the prober) learns them at
 start, again as soon as a prefill rejoins after an eviction, and re-checks them every probe
 interval (a quick restart is never evicted, only its answer changes). Requests are spread
-round-robin over (prefill, rank) pairs with one cursor that only advances (R3).
+round-robin over (prefill, rank) pairs with one cursor that only advances
+(docs/behaviour.md#routing).
 """
 
 from __future__ import annotations

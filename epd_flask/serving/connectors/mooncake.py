@@ -1,4 +1,5 @@
-"""Mooncake: prefill and decode run at once and meet on a transfer id (P3).
+"""Mooncake: prefill and decode run at once and meet on a transfer id
+(docs/behaviour.md#connector-mooncake).
 
 The proxy names everything up front, so neither leg waits for the other's answer: prefill is
 told to keep the KV for ``transfer_id`` (on the DP rank in ``X-data-parallel-rank``), decode is

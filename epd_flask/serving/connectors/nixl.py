@@ -1,4 +1,5 @@
-"""NIXL: prefill exports its KV and answers handles; decode pulls with them (P2).
+"""NIXL: prefill exports its KV and answers handles; decode pulls with them
+(docs/behaviour.md#connector-nixl).
 
 Partial handles are worse than none: real vLLM given ``kv_transfer_params`` without
 ``remote_request_id`` hangs the request, and its engine dies when the client leaves. So the
