@@ -36,7 +36,7 @@ BEARER = "bearer "
 
 def _services() -> Any:
     svc = current_app.extensions["epd_flask"]
-    _authorize(svc.config.admin_api_key)
+    authorize(svc.config.admin_api_key)
     return svc
 
 
@@ -44,7 +44,9 @@ def _fleet() -> Any:
     return _services().fleet
 
 
-def _authorize(key: str | None) -> None:
+def authorize(key: str | None) -> None:
+    """Operator actions (this API, the profiler switch) need the admin key; without one
+    configured they are off."""
     if not key:
         raise Forbidden("the admin API is disabled: set ADMIN_API_KEY to enable it",
                         code="admin_api_disabled")

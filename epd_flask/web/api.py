@@ -154,7 +154,10 @@ def health() -> Response:
 
 @bp.get("/ready")
 @bp.get("/readyz")
+@bp.get("/healthcheck")
 def ready() -> Response:
+    """Readiness; ``/healthcheck`` is the probe path of the Rust seed proxy, so deployments
+    moved from it keep working instead of having their probe forwarded to decode."""
     svc = _services()
     ok, reason = svc.pipeline.ready()
     if svc.inflight.draining:

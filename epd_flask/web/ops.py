@@ -1,6 +1,6 @@
 """Operator endpoints: ``/metrics`` (Prometheus), ``/status`` (HTML) and the profiler fan-out
-(``/start_profile``, ``/stop_profile``). Thin views over metrics.py, statuspage.py and
-profiling.py.
+(``/start_profile``, ``/stop_profile``, an operator action behind the admin key). Thin views
+over metrics.py, statuspage.py and profiling.py.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from epd_flask.core.errors import NotFound
 from epd_flask.core.events import FleetEntry
 from epd_flask.core.headers import REQUEST_ID_HEADER, request_id, upstream_headers
 from epd_flask.observe import metrics, procstats, profiling, statuspage
+from epd_flask.web import admin
 
 logger = logging.getLogger(__name__)
 
@@ -69,9 +70,13 @@ def stop_profile() -> Response:
 
 
 def _profile(action: str) -> Response:
+    """An operator action: the admin key opens it, and the instances hear the fleet's backend
+    key (never the caller's credential, which is the admin key)."""
     svc = _services()
+    admin.authorize(svc.config.admin_api_key)
     rid = request_id(request.headers.get(REQUEST_ID_HEADER))
-    headers = upstream_headers(request.headers.items(), rid)
+    client = [(k, v) for k, v in request.headers.items() if k.lower() != "authorization"]
+    headers = upstream_headers(client, rid, svc.config.backend_api_key)
     body = request.get_data(cache=False) or None
     if body is not None and request.content_type:
         headers["Content-Type"] = request.content_type

@@ -42,7 +42,7 @@ PRIVATE_PATHS = [
     ("GET", "/%69nstances"), ("GET", "/instances/"),
 ]
 PUBLIC_PATHS = [("GET", "/health"), ("GET", "/healthz"), ("GET", "/ready"), ("GET", "/readyz"),
-                ("GET", "/v1/models")]
+                ("GET", "/healthcheck"), ("GET", "/v1/models")]
 
 
 @pytest.fixture(scope="module")

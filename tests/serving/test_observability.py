@@ -228,18 +228,22 @@ def test_json_log_lines_and_the_upstream_call_switch(
     assert all(f"request_id={doc['request_id']}" in c for c in calls)
 
 
+ADMIN_KEY = "admin-key-abcdefghijkl"
+ADMIN = {"X-API-Key": ADMIN_KEY}
+
+
 def test_profiling_reaches_every_live_instance_and_reports_each(sim, proxy) -> None:
     p1, p2 = sim("prefill", profiler=True), sim("prefill")
     d1, d2 = sim("decode", profiler=True), sim("decode", profiler=True)
-    px = proxy(pd_roster([p1, p2], [d1, d2]))
-    r = requests.post(px.url + "/start_profile", timeout=10)
+    px = proxy(pd_roster([p1, p2], [d1, d2]), admin_api_key=ADMIN_KEY)
+    r = requests.post(px.url + "/start_profile", headers=ADMIN, timeout=10)
     assert r.status_code == 200, r.text
     doc = r.json()
     assert (doc["ok"], doc["not_found"], doc["failed"]) == (3, 1, 0)
     outcome = {i["url"]: i["outcome"] for i in doc["instances"]}
     assert outcome == {p1.url: "ok", p2.url: "not_found", d1.url: "ok", d2.url: "ok"}
     assert all(s.state.stats()["profiling"] for s in (p1, d1, d2))
-    assert requests.post(px.url + "/stop_profile", timeout=10).json()["ok"] == 3
+    assert requests.post(px.url + "/stop_profile", headers=ADMIN, timeout=10).json()["ok"] == 3
     assert not any(s.state.stats()["profiling"] for s in (p1, d1, d2))
     assert [s.state.stats()["profiles_stopped"] for s in (p1, d1, d2)] == [1, 1, 1]
 
@@ -250,18 +254,56 @@ def test_profiling_reports_failures_and_evicted_instances(sim, proxy) -> None:
     gone = sim("decode", profiler=True)
     doc = pd_roster([p], [d, gone], fail_threshold=1)
     doc["instances"].append({"role": "decode", "url": dead})
-    px = proxy(doc)
+    px = proxy(doc, admin_api_key=ADMIN_KEY)
     px.services.registry.record_failure(gone.url, "test: evicted")
-    r = requests.post(px.url + "/start_profile", timeout=10)
+    r = requests.post(px.url + "/start_profile", headers=ADMIN, timeout=10)
     assert r.status_code == 502
     body = r.json()
     assert body["error"]["code"] == "profile_failed"
     outcome = {i["url"]: i["outcome"] for i in body["instances"]}
     assert outcome == {p.url: "ok", d.url: "ok", dead: "failed", gone.url: "skipped"}
     assert gone.state.stats()["profiles_started"] == 0
-    nobody = proxy(pd_roster([sim("prefill")], [sim("decode")]))
-    r = requests.post(nobody.url + "/start_profile", timeout=10)
+    nobody = proxy(pd_roster([sim("prefill")], [sim("decode")]), admin_api_key=ADMIN_KEY)
+    r = requests.post(nobody.url + "/start_profile", headers=ADMIN, timeout=10)
     assert r.status_code == 503 and r.json()["not_found"] == 2
+
+
+@pytest.mark.parametrize("action", ["start", "stop"])
+def test_profiling_is_an_operator_action(sim, proxy, action: str) -> None:
+    """The serving key does not switch the fleet's profiler; the admin key does, and without
+    one configured the switch is off like the admin API."""
+    serving = "sk-serving-one-0123456789"
+    p, d = sim("prefill", profiler=True), sim("decode", profiler=True)
+    off = proxy(pd_roster([p], [d]), api_keys=(serving,))
+    r = requests.post(off.url + f"/{action}_profile", timeout=10,
+                      headers={"Authorization": f"Bearer {serving}", **ADMIN})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "admin_api_disabled"
+    px = proxy(pd_roster([p], [d]), api_keys=(serving,), admin_api_key=ADMIN_KEY)
+    for headers, code in (({}, "missing_admin_key"),
+                          ({"Authorization": f"Bearer {serving}"}, "invalid_admin_key"),
+                          ({"X-API-Key": "wrong"}, "invalid_admin_key")):
+        r = requests.post(px.url + f"/{action}_profile", headers=headers, timeout=10)
+        assert r.status_code == 403 and r.json()["error"]["code"] == code, r.text
+    assert p.state.stats()["requests"].get(f"/{action}_profile", 0) == 0
+    assert d.state.stats()["requests"].get(f"/{action}_profile", 0) == 0
+    r = requests.post(px.url + f"/{action}_profile", headers=ADMIN, timeout=10)
+    assert r.status_code == 200 and r.json()["ok"] == 2
+
+
+@pytest.mark.parametrize("header", [ADMIN, {"Authorization": f"Bearer {ADMIN_KEY}"}])
+def test_profiling_sends_the_backend_key_never_the_callers(sim, proxy, header) -> None:
+    p, d = sim("prefill", profiler=True), sim("decode", profiler=True)
+    keyed = proxy(pd_roster([p], [d]), admin_api_key=ADMIN_KEY, backend_api_key="sk-fleet")
+    assert requests.post(keyed.url + "/start_profile", headers=header, timeout=10).ok
+    for server in (p, d):
+        seen = server.state.requests(1)[0]["headers"]
+        assert seen["authorization"] == "Bearer sk-fleet"
+        assert ADMIN_KEY not in json.dumps(seen)
+    plain = proxy(pd_roster([p], [d]), admin_api_key=ADMIN_KEY)
+    assert requests.post(plain.url + "/stop_profile", headers=header, timeout=10).ok
+    for server in (p, d):
+        seen = server.state.requests(1)[0]["headers"]
+        assert "authorization" not in seen and ADMIN_KEY not in json.dumps(seen)
 
 
 def test_multimodal_epd_request_logs_all_five_stage_timings(

@@ -325,6 +325,20 @@ def test_health_and_readiness(sim, proxy) -> None:
     assert requests.get(only_decode.url + "/ready", timeout=5).status_code == 503
 
 
+def test_healthcheck_is_readiness_and_never_reaches_decode(sim, proxy) -> None:
+    """``/healthcheck`` (the Rust seed proxy's probe path) answers like ``/ready``: a probe
+    moved from that proxy sees readiness, not decode's answer to an unknown route."""
+    p, d = sim("prefill"), sim("decode")
+    px = proxy(pd_roster([p], [d]))
+    before = requests.get(px.url + "/healthcheck", timeout=5)
+    assert before.status_code == 503 and before.json()["ready"] is False
+    px.services.prober.probe_all()
+    after = requests.get(px.url + "/healthcheck", timeout=5)
+    assert after.status_code == 200 and after.json() == {"ready": True, "reason": "ok"}
+    assert "/healthcheck" not in d.state.stats()["requests"]
+    assert "/healthcheck" not in p.state.stats()["requests"]
+
+
 def test_probes_evict_an_unhealthy_instance_and_readmit_it(sim, proxy) -> None:
     p, d1, d2 = sim("prefill"), sim("decode"), sim("decode")
     px = proxy(pd_roster([p], [d1, d2], probe_interval=0.05, fail_threshold=2), probes=True)
