@@ -62,13 +62,24 @@ class Encoded:
     transfer_id: str | None = None  # Mooncake EC push (docs/behaviour.md#routing)
 
 
+def part_kind(part: Mapping[str, Any]) -> Any:
+    """A content part's type as vLLM's chat parser reads it: its ``type``, else, for the simple
+    forms vLLM accepts without one (``{"image_url": "https://..."}``), the media key present."""
+    kind = part.get("type")
+    if kind is None:
+        for key in MEDIA_TYPES:
+            if part.get(key) is not None:
+                return key
+    return kind
+
+
 def content_key(part: Mapping[str, Any]) -> str:
     """A cache key from the item's content: its URL, else its canonical JSON.
 
     Content-derived and never per-request, so the same media in two requests shares one key
     and the encoder cache keeps serving it.
     """
-    payload = part.get(part.get("type", ""))
+    payload = part.get(part_kind(part) or "")
     url = payload if isinstance(payload, str) else (
         payload.get("url") if isinstance(payload, dict) else None)
     if isinstance(url, str) and url:
@@ -88,10 +99,11 @@ def extract(body: Mapping[str, Any]) -> list[MediaItem]:
         if not isinstance(content, list):
             continue
         for part in content:
-            if isinstance(part, dict) and part.get("type") in MEDIA_TYPES:
+            kind = part_kind(part) if isinstance(part, dict) else None
+            if kind in MEDIA_TYPES:
                 uuid = part.get("uuid")
                 key = uuid if isinstance(uuid, str) and uuid else content_key(part)
-                items.append(MediaItem(len(items), part["type"], part, key))
+                items.append(MediaItem(len(items), kind, part, key))
     return items
 
 
@@ -228,7 +240,7 @@ def rewrite(body: Mapping[str, Any], items: Sequence[MediaItem],
             continue
         new_content = []
         for part in content:
-            if not (isinstance(part, dict) and part.get("type") in MEDIA_TYPES):
+            if not (isinstance(part, dict) and part_kind(part) in MEDIA_TYPES):
                 new_content.append(part)
                 continue
             item = items[position]

@@ -31,7 +31,7 @@ from epd_flask.core.errors import (
 from epd_flask.core.headers import REQUEST_ID_HEADER, client_headers
 from epd_flask.fleet.registry import Registry
 from epd_flask.fleet.routing import Router
-from epd_flask.serving import legs, relay, usage
+from epd_flask.serving import fields, legs, relay, usage
 from epd_flask.serving.connectors import Connector, Leg, Route
 from epd_flask.serving.context import RequestContext
 from epd_flask.serving.encode_stage import EncodeStage
@@ -220,7 +220,7 @@ class Pipeline:
             prefill.stop()
             raise
         resp, chunks = opening.value
-        return self._reply(resp, ctx, stream=bool(leg.body.get("stream")), chunks=chunks,
+        return self._reply(resp, ctx, stream=fields.streams(leg.body), chunks=chunks,
                            side=prefill)
 
     def _drain_prefill(self, route: Route, path: str, leg: Leg, ctx: RequestContext) -> None:
@@ -264,7 +264,7 @@ class Pipeline:
                           **self._decode_timeouts(bool(leg.body.get("stream"))))
         self._check(resp, target, "decode", ctx)
         ctx.mark("decode_first_byte", started)
-        return self._reply(resp, ctx, stream=bool(leg.body.get("stream")),
+        return self._reply(resp, ctx, stream=fields.streams(leg.body),
                            cached_tokens=cached_tokens)
 
     def _reply(self, resp: Upstream, ctx: RequestContext, stream: bool, *,

@@ -8,6 +8,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import TypeAdapter, ValidationError
+
 from . import errors, textgen
 
 CHAT_PATH = "/v1/chat/completions"
@@ -52,39 +54,27 @@ def parse_body(raw: bytes, content_type: str) -> dict[str, Any]:
     return body
 
 
+_INT = TypeAdapter(int | None)
+_BOOL = TypeAdapter(bool | None)
+
+
+def _lax(adapter: TypeAdapter[Any], body: dict[str, Any], name: str, loc: str = "body") -> Any:
+    """The field as vLLM's pydantic model reads it in lax mode ("5" is 5, "true" is True), or
+    the 400 FastAPI gives for it."""
+    value = body.get(name)
+    try:
+        return adapter.validate_python(value)
+    except ValidationError as exc:
+        err = exc.errors(include_url=False)[0]
+        raise errors.validation_error(err["type"], f"{loc}.{name}", err["msg"], value) from None
+
+
 def _optional_int(body: dict[str, Any], name: str) -> int | None:
-    """pydantic's lax int: integral floats and digit strings pass, anything else is refused."""
-    value = body.get(name)
-    if value is None or isinstance(value, bool):
-        return None if value is None else int(value)
-    if isinstance(value, int):
-        return value
-    loc = f"body.{name}"
-    if isinstance(value, float):
-        if value.is_integer():
-            return int(value)
-        raise errors.validation_error(
-            "int_from_float", loc, "Input should be a valid integer, got a number with a "
-            "fractional part", value)
-    if isinstance(value, str):
-        try:
-            return int(value.strip())
-        except ValueError:
-            raise errors.validation_error(
-                "int_parsing", loc,
-                "Input should be a valid integer, unable to parse string as an integer",
-                value) from None
-    raise errors.validation_error("int_type", loc, "Input should be a valid integer", value)
+    return _lax(_INT, body, name)
 
 
-def _optional_bool(body: dict[str, Any], name: str) -> bool:
-    value = body.get(name)
-    if value is None:
-        return False
-    if isinstance(value, bool):
-        return value
-    raise errors.validation_error(
-        "bool_type", f"body.{name}", "Input should be a valid boolean", value)
+def _optional_bool(body: dict[str, Any], name: str, loc: str = "body") -> bool:
+    return bool(_lax(_BOOL, body, name, loc))
 
 
 def _optional_dict(body: dict[str, Any], name: str) -> dict[str, Any] | None:
@@ -193,7 +183,7 @@ def parse_request(
         prompt_tokens=prompt_tokens,
         max_tokens=max_tokens,
         stream=stream,
-        include_usage=bool(stream_options.get("include_usage")),
+        include_usage=_optional_bool(stream_options, "include_usage", "body.stream_options"),
         kv_params=kv_params,
         messages=messages,
         logprobs=logprobs,

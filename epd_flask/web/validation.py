@@ -1,28 +1,34 @@
 """What the proxy refuses in a completion body itself, before any backend hears of it.
 
-The rule for what is checked here: the fields the proxy reads, rewrites or branches on
-(``messages`` and their content parts for the encode stage, ``max_tokens`` and friends and
-``stream``/``stream_options`` for the prefill rewrite, ``prompt``, ``model``) must have the types
-OpenAI's API documents, judged as JSON Schema judges them (``5.0`` is an integer, ``"5"`` and
-``true`` are not). A wrong type there would otherwise cost an encoder and a prefill call before
-decode refused it, or be silently rewritten away by the prefill body
-(docs/behaviour.md#prefill-and-decode). Everything else (value ranges that need the model,
-sampling parameters, tools, unknown fields) is vLLM's to judge; its 4xx answer is relayed as it
-wrote it (docs/behaviour.md#edge). Plain functions over the parsed body; imports only
-``errors``.
+The rule: refuse exactly what vLLM would refuse too, with its status (400), for the fields the
+proxy reads, rewrites or branches on; everything else is vLLM's to judge and its 4xx answer is
+relayed as it wrote it. Scalars (``model``, ``max_tokens`` and friends, ``stream``,
+``stream_options``, ``n``, ``prompt``) are judged by serving/fields.py's copies of vLLM's
+pydantic models in lax mode, so ``"5"`` and ``5.0`` are 5 and ``"true"`` is True, as there.
+``messages`` follow vLLM's chat parser, whose refusals decide there (its model admits nearly
+any part object). Value ranges are checked where vLLM's ``SamplingParams`` would refuse the
+value whatever the model. Catching these here spares an encoder and a prefill call on a
+request decode then refuses (docs/behaviour.md#edge).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from epd_flask.core.errors import ClientError
+from pydantic import ValidationError
 
-CHAT_PATH = "/v1/chat/completions"
+from epd_flask.core.errors import ClientError
+from epd_flask.serving import fields
+from epd_flask.serving.multimodal import part_kind
+
+CHAT_PATH = fields.CHAT_PATH
 #: Content part types whose payload is ``{"url": str}`` (vLLM also takes a bare URL string).
 URL_PARTS = ("image_url", "audio_url", "video_url")
-#: Integer fields that are token counts, with the smallest value vLLM accepts.
-TOKEN_LIMITS = {"max_tokens": 1, "max_completion_tokens": 1, "min_tokens": 0}
+#: What vLLM's chat parser makes of a part with no ``type`` and no media key.
+MISSING_TYPE = "Missing 'type' field in multimodal part"
+#: How to say what a field typed as a union accepts (pydantic reports each member apart).
+UNION_FORMS = {"prompt": "a string, an array of strings, token ids (integers >= 0) or arrays "
+                         "of token ids, one kind throughout"}
 
 
 def check_completion(path: str, body: dict[str, Any]) -> None:
@@ -30,30 +36,51 @@ def check_completion(path: str, body: dict[str, Any]) -> None:
 
     The body's size, encoding and nesting were checked at the edge (edge.py) already.
     """
-    if "model" in body and body["model"] is not None and not isinstance(body["model"], str):
-        raise _invalid("model", "a string", body["model"])
-    for name, least in TOKEN_LIMITS.items():
-        _check_count(body, name, least)
-    if body.get("stream") is not None and not isinstance(body["stream"], bool):
-        raise _invalid("stream", "a boolean", body["stream"])
-    options = body.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise _invalid("stream_options", "an object", options)
+    try:
+        read = fields.read(path, body)
+    except ValidationError as exc:
+        raise _refusal(exc) from None
+    # vLLM's "before" validator reads the raw values: "stream": "false" passes it.
+    if body.get("stream_options") and not body.get("stream"):
+        raise ClientError("Stream options can only be defined when `stream=True`.",
+                          param="stream_options", code="invalid_value")
     if path == CHAT_PATH:
         _check_messages(body)
     else:
         _check_prompt(body)
+    _check_ranges(read)
 
 
-def _check_count(body: dict[str, Any], name: str, least: int) -> None:
-    value = body.get(name)
-    if value is None:
-        return
-    if not _is_integer(value):
-        raise _invalid(name, "an integer", value)
-    if value < least:
-        raise ClientError(f"{name} must be at least {least}, got {value}", param=name,
+def _check_ranges(read: fields.ChatFields | fields.CompletionFields) -> None:
+    """The limits vLLM's ``SamplingParams`` enforces on the token counts it is given."""
+    if isinstance(read, fields.ChatFields) and read.max_completion_tokens is not None:
+        name, limit = "max_completion_tokens", read.max_completion_tokens
+    else:
+        name, limit = "max_tokens", read.max_tokens
+    # A completion with echo and max_tokens 0 returns the prompt alone (vLLM sends 1 token).
+    echo_only = isinstance(read, fields.CompletionFields) and read.echo and limit == 0
+    if limit is not None and limit < 1 and not echo_only:
+        raise ClientError(f"{name} must be at least 1, got {limit}", param=name,
                           code="invalid_value")
+    if read.min_tokens < 0:
+        raise ClientError(f"min_tokens must be at least 0, got {read.min_tokens}",
+                          param="min_tokens", code="invalid_value")
+
+
+def _refusal(exc: ValidationError) -> ClientError:
+    """The first error, named by its field path (a union's member names left out)."""
+    err = exc.errors(include_url=False)[0]
+    path: list[str] = []
+    for part in err["loc"]:
+        if isinstance(part, str) and not part.isidentifier():
+            break  # a union member's tag, e.g. "list[constrained-int]"
+        path.append(str(part))
+    param = ".".join(path)
+    if len(path) < len(err["loc"]):
+        return ClientError(f"{param} must be one of its documented forms: {UNION_FORMS[param]}",
+                           param=param, code="invalid_type")
+    return ClientError(f"{param}: {err['msg']} (got {_kind(err['input'])})", param=param,
+                       code="invalid_type")
 
 
 def _check_messages(body: dict[str, Any]) -> None:
@@ -79,14 +106,19 @@ def _check_messages(body: dict[str, Any]) -> None:
 
 
 def _check_part(part: Any, where: str) -> None:
-    """A content part the encode stage may read; part types we do not know are vLLM's."""
+    """A content part as vLLM's chat parser takes it: a bare string is text; an object names
+    its ``type`` or is one of the simple media forms (``{"image_url": "..."}``). Part types
+    we do not read are vLLM's; media the encode stage reads must carry a URL (or audio)."""
+    if isinstance(part, str):
+        return
     if not isinstance(part, dict):
-        raise _invalid(where, "a content part object", part)
-    kind = part.get("type")
+        raise _invalid(where, "a string or a content part object", part)
+    kind = part_kind(part)
+    if kind is None:
+        raise ClientError(f"{where}: {MISSING_TYPE} (name its type, e.g. \"text\" or "
+                          "\"image_url\")", param=f"{where}.type", code="invalid_type")
     if not isinstance(kind, str):
         raise _invalid(f"{where}.type", "a string", kind)
-    if kind == "text" and not isinstance(part.get("text"), str):
-        raise _invalid(f"{where}.text", "a string", part.get("text"))
     if kind in URL_PARTS:
         payload = part.get(kind)
         if isinstance(payload, dict):
@@ -107,33 +139,10 @@ def _check_part(part: Any, where: str) -> None:
 
 
 def _check_prompt(body: dict[str, Any]) -> None:
-    """A string, a list of strings, a list of token ids, or a list of such lists."""
-    if "prompt" not in body or body["prompt"] is None:
-        if body.get("prompt_embeds") is None:
-            raise ClientError("prompt is required", param="prompt", code="missing_required")
-        return
-    prompt = body["prompt"]
-    if isinstance(prompt, str):
-        return
-    expected = "a string, an array of strings, or token ids"
-    if not isinstance(prompt, list):
-        raise _invalid("prompt", expected, prompt)
-    if not (all(isinstance(one, str) for one in prompt)
-            or all(_is_token(one) for one in prompt)
-            or all(isinstance(one, list) and all(_is_token(t) for t in one)
-                   for one in prompt)):
-        raise ClientError(f"prompt must be {expected} (one kind throughout)", param="prompt",
-                          code="invalid_type")
-
-
-def _is_integer(value: Any) -> bool:
-    if isinstance(value, bool):
-        return False
-    return isinstance(value, int) or (isinstance(value, float) and value.is_integer())
-
-
-def _is_token(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """vLLM's own words and rule (the types were judged above)."""
+    if body.get("prompt") in (None, "") and body.get("prompt_embeds") in (None, []):
+        raise ClientError("Either prompt or prompt_embeds must be provided and non-empty.",
+                          param="prompt", code="missing_required")
 
 
 def _invalid(param: str, expected: str, got: Any) -> ClientError:

@@ -291,6 +291,24 @@ def test_usage_reports_prefill_prefix_cache_hits(sim, proxy, connector, stream) 
     assert not (usage_of(direct).get("prompt_tokens_details") or {}).get("cached_tokens")
 
 
+@pytest.mark.parametrize("spelling", ["false", "0", "no", 0])
+def test_stream_is_read_as_vllm_reads_it(sim, proxy, spelling) -> None:
+    """``"stream": "false"`` is False to vLLM, so decode answers one JSON body: the proxy
+    treats it as one too (reads it whole and writes prefill's cache hits into its usage)
+    rather than relaying it as a stream because the string is truthy."""
+    p, d = sim("prefill", prompt_tokens_details=True), sim("decode", prompt_tokens_details=True)
+    px = proxy({"settings": {"connector": "none"}, "instances": [
+        {"role": "prefill", "url": p.url}, {"role": "decode", "url": d.url}]})
+    body = {"model": "tiny-llama", "prompt": LONG_PROMPT, "max_tokens": 4, "stream": spelling}
+    for _ in range(2):
+        r = requests.post(px.url + "/v1/completions", json=body, timeout=10)
+        assert r.status_code == 200 and r.headers["Content-Type"] == "application/json"
+    assert d.state.requests(1)[0]["body"]["stream"] == spelling
+    assert p.state.stats()["prefix_cached_tokens"] > 0
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == \
+        p.state.stats()["prefix_cached_tokens"]
+
+
 # -- prefill-failure policy and the backend key ---------------------------------------------
 
 

@@ -64,7 +64,8 @@ def test_unknown_path_and_wrong_method(start_sim):
 @pytest.mark.parametrize("body", [
     {"prompt": "hi", "max_tokens": 1.5},
     {"prompt": "hi", "max_tokens": [1]},
-    {"prompt": "hi", "stream": "yes"},
+    {"prompt": "hi", "stream": "maybe"},
+    {"prompt": "hi", "stream": 2},
     {"prompt": "", "max_tokens": 2},
     {"prompt": "hi", "max_tokens": 0},
     {"prompt": "x" * 4000, "max_tokens": 2},
@@ -82,6 +83,18 @@ def test_digit_string_max_tokens_is_accepted_like_pydantic(start_sim):
     resp = requests.post(srv.url + "/v1/completions",
                          json={"prompt": "hi", "max_tokens": "2"}, timeout=5)
     assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize(("spelling", "streams"), [
+    ("yes", True), ("true", True), (1, True), ("on", True),
+    ("no", False), ("false", False), (0, False), ("off", False)])
+def test_stream_is_a_lax_boolean_like_pydantic(start_sim, spelling, streams):
+    """vLLM's ``stream: bool | None`` in lax mode: "yes" streams, "false" does not."""
+    srv = start_sim(role="prefill_decode", output_tokens=4)
+    resp = requests.post(srv.url + "/v1/completions", timeout=5, json={
+        "prompt": "hi", "max_tokens": "2.0", "stream": spelling})
+    assert resp.status_code == 200
+    assert resp.headers["Content-Type"].startswith("text/event-stream") == streams
 
 
 def test_errors_are_counted(start_sim):

@@ -50,6 +50,10 @@ def route_of(name: str, attempt: int = 0, rank: int | None = None) -> tuple:
         ({"min_tokens": 5}, {"min_tokens": 1}),
         ({"min_tokens": 0}, {"min_tokens": 0}),
         ({"min_tokens": 1}, {"min_tokens": 1}),
+        # vLLM's lax int: "5" and 5.0 are 5, which a one-token prefill would refuse.
+        ({"min_tokens": "5"}, {"min_tokens": 1}),
+        ({"min_tokens": 5.0}, {"min_tokens": 1}),
+        ({"min_tokens": "0"}, {"min_tokens": "0"}),
         ({"min_completion_tokens": 9}, {"min_completion_tokens": 1}),
         ({"stream": False, "max_tokens": None}, {"stream": False, "max_tokens": 1}),
     ],

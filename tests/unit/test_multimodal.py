@@ -50,6 +50,19 @@ def test_extract_finds_every_media_type_in_order_across_messages() -> None:
     assert items[0].part is body["messages"][0]["content"][1]
 
 
+def test_media_without_a_type_is_media_as_vllm_reads_it() -> None:
+    """vLLM's simple forms (``{"image_url": "..."}``, no ``type``) are images to its chat
+    parser, so the encode stage encodes them too, under the same key as the typed form."""
+    bare = {"image_url": "https://media.invalid/a.png"}
+    video = {"video_url": {"url": "https://media.invalid/v.mp4"}, "type": None}
+    items = mm.extract(chat(TEXT, bare, "text", video, {"audio_url": None}))
+    assert [(i.kind, i.key) for i in items] == [
+        ("image_url", mm.extract(chat(IMG_A))[0].key),
+        ("video_url", sha("https://media.invalid/v.mp4"))]
+    out = mm.rewrite(chat(TEXT, bare), items[:1], {0: enc(items[0], GRID)})
+    assert out["messages"][1]["content"][1]["type"] == "image_embeds"
+
+
 @pytest.mark.parametrize("body", [{}, {"messages": "x"}, {"prompt": "hi"},
                                   {"messages": [{"role": "user", "content": "hi"}]}])
 def test_extract_without_media_is_empty(body: dict[str, Any]) -> None:

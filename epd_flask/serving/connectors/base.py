@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 from epd_flask.control.roster import Instance
+from epd_flask.serving import fields
 
 Body = dict[str, Any]
 Readiness = tuple[bool, str]
@@ -30,8 +31,8 @@ def prime_body(body: Body) -> Body:
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
     for key in ("min_tokens", "min_completion_tokens"):
-        value = out.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+        value = fields.count(out.get(key))  # "5" and 5.0 are 5 to vLLM too
+        if value is not None and value > 1:
             out[key] = 1
     out.pop("stream_options", None)
     return out
