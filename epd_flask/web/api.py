@@ -52,10 +52,18 @@ def _body() -> bytes:
     body whose length is declared; chunked bodies are cut off as they pass the limit)."""
     limit = _services().config.max_body_bytes
     edge.check_length(request.content_length, limit)
-    if request.content_length is None:
-        raw = edge.read_capped(request.stream.read, limit)
-    else:
-        raw = _read_body()
+    try:
+        if request.content_length is None:
+            raw = edge.read_capped(request.stream.read, limit)
+        else:
+            raw = _read_body()
+    except (ProxyError, HTTPException):
+        raise
+    except Exception as exc:
+        # The server parses the body's framing as the view reads it: gunicorn raises its
+        # InvalidChunkSize (a negative or non-hex chunk size) here, which would be a 500.
+        raise edge.unreadable(exc) from None
+    edge.check_complete(len(raw), request.content_length)
     return edge.decode_body(raw, request.headers.get("Content-Encoding"), limit)
 
 

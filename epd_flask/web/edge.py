@@ -97,6 +97,20 @@ def read_capped(read: Callable[[int], bytes], limit: int, step: int = 65536) -> 
         parts.append(chunk)
 
 
+def unreadable(exc: Exception) -> ClientError:
+    """A body whose framing the server could not parse (a chunk size that is not one)."""
+    reason = " ".join(str(exc).split())[:120] or type(exc).__name__
+    return ClientError(f"request body could not be read: {reason}", code="invalid_body")
+
+
+def check_complete(received: int, content_length: int | None) -> None:
+    """A body that ended before its Content-Length (the client closed its side early) is a
+    fragment: forwarding it would send the backends something the client never meant."""
+    if content_length is not None and received < content_length:
+        raise ClientError(f"request body ended after {received} of the {content_length} bytes "
+                          "its Content-Length announced", code="invalid_body")
+
+
 def decode_body(raw: bytes, content_encoding: str | None, limit: int) -> bytes:
     """Undo a request ``Content-Encoding`` (gzip or deflate), capped at ``limit`` bytes out so
     a small compressed body cannot expand into gigabytes; anything else is a 415."""
