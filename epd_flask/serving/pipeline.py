@@ -16,6 +16,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
+from urllib.parse import quote
 
 from epd_flask.control.roster import Instance, Roster
 from epd_flask.control.settings import default
@@ -40,6 +41,17 @@ from epd_flask.serving.legs import Call
 from epd_flask.upstream.transport import Transport, Upstream, encode_json
 
 logger = logging.getLogger(__name__)
+
+#: Characters a path segment may carry unencoded (RFC 3986 pchar and "/").
+PATH_SAFE = "/:@!$&'()*+,;="
+
+
+def upstream_path(path: str) -> str:
+    """The client's path as it was decoded for routing, encoded again for the request line:
+    a ``%3F`` the client sent stays a character of the path, not the start of a query, and
+    a ``%0D%0A`` stays out of the request line."""
+    return quote(path, safe=PATH_SAFE)
+
 
 STREAM_HEADERS = (("Cache-Control", "no-cache"), ("X-Accel-Buffering", "no"))
 #: How often a request waiting on concurrent legs asks whether its client is still there.
@@ -111,7 +123,7 @@ class Pipeline:
         headers = dict(ctx.upstream_headers)
         if content_type:
             headers["Content-Type"] = content_type
-        url = target.url + path + (f"?{query}" if query else "")
+        url = target.url + upstream_path(path) + (f"?{query}" if query else "")
         resp = self._send(target, "decode", method, url, ctx, headers=headers, body=body,
                           **self._decode_timeouts(stream=True))
         return self._reply(resp, ctx, stream=True)

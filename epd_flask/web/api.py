@@ -12,7 +12,7 @@ from werkzeug.exceptions import HTTPException
 
 from epd_flask.control import settings
 from epd_flask.core import cooperate, jsoncodec
-from epd_flask.core.errors import ClientError, ProxyError
+from epd_flask.core.errors import ClientError, NotFound, ProxyError
 from epd_flask.core.headers import REQUEST_ID_HEADER, request_id, upstream_headers
 from epd_flask.serving.context import RequestContext
 from epd_flask.serving.legs import peer_closed
@@ -23,6 +23,8 @@ bp = Blueprint("api", __name__)
 
 COMPLETION_ROUTES = ("/v1/chat/completions", "/v1/completions")
 JSON_TYPES = ("application/json", "")
+#: Where the admin API lives without EPD_ADMIN_PREFIX; with one, these paths are no one's.
+ADMIN_PATH = "/instances"
 
 
 def _services():
@@ -33,8 +35,10 @@ def _context() -> RequestContext:
     rid = request_id(request.headers.get(REQUEST_ID_HEADER))
     services = _services()
     headers = upstream_headers(request.headers.items(), rid, services.config.backend_api_key)
-    if services.keys.enabled and not services.config.backend_api_key:
-        # The client's bearer was our serving key: it stays at the edge.
+    if (services.keys.enabled and not services.config.backend_api_key) \
+            or edge.is_key(headers.get("Authorization"), services.config.admin_api_key):
+        # The client's bearer was our serving key, or the admin key sent to the wrong path:
+        # either stays at the edge.
         headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
     ctx = RequestContext(rid, request.path, headers)
     sock = request.environ.get("gunicorn.socket")
@@ -142,6 +146,7 @@ def completions() -> Response:
         body = parse_object(raw, _services().config.max_json_depth)
         cooperate.after_step(len(raw))
         validation.check_completion(request.path, body)
+        body = edge.without_proxy_fields(body)
         reply = _services().pipeline.completion(request.path, body, ctx)
     return _respond(reply)
 
@@ -181,13 +186,48 @@ def passthrough(path: str) -> Response:
     (docs/behaviour.md#edge)."""
     ctx = _context()
     with _accounted(ctx):
+        _refuse_other_spellings(request.path)
         _authorize()
         raw: bytes | None = None
         if request.method == "POST":
-            raw = _body()
-            if (request.mimetype or "") == "application/json" and raw.strip():
-                parse_object(raw, _services().config.max_json_depth)
+            raw = _forwarded_body(_body(), (request.mimetype or "").lower())
         reply = _services().pipeline.passthrough(
             request.method, request.path, request.query_string.decode("latin-1"), raw,
             request.headers.get("Content-Type"), ctx)
     return _respond(reply)
+
+
+def _refuse_other_spellings(path: str) -> None:
+    """404 for a path that only looks like another of our routes.
+
+    ``/v1/chat/completions/`` (or with doubled slashes) would otherwise reach decode alone,
+    skipping encode, prefill and the completion checks; vLLM itself answers it with a
+    redirect, not a completion, so it is refused rather than served under a second name.
+    With ``EPD_ADMIN_PREFIX`` set, the admin API's unprefixed path is refused too, so an
+    admin call sent there (with the admin key) never reaches an instance.
+    """
+    canonical = "/" + "/".join(part for part in path.split("/") if part)
+    if canonical in COMPLETION_ROUTES and canonical != path:
+        raise NotFound(f"no route {path}; did you mean {canonical}?")
+    prefix = _services().config.admin_prefix
+    if prefix and (canonical == ADMIN_PATH or canonical.startswith(ADMIN_PATH + "/")):
+        raise NotFound(f"no route {path}")
+
+
+def _forwarded_body(raw: bytes, mimetype: str) -> bytes:
+    """The body a pass-through sends: without the fields only the proxy may set.
+
+    vLLM reads a body as JSON when its type is JSON or missing (and some routes whatever
+    the type), so every body that is or looks like a JSON object is parsed; one that
+    does not parse is refused rather than forwarded unread. Other bodies (multipart audio)
+    pass untouched. Unchanged bodies are forwarded byte for byte.
+    """
+    if not raw.strip():
+        return raw
+    looks_json = mimetype in JSON_TYPES or mimetype.endswith("+json") \
+        or raw.lstrip()[:1] == b"{"
+    if not looks_json:
+        return raw
+    doc = parse_object(raw, _services().config.max_json_depth)
+    forwarded = edge.without_proxy_fields(doc)
+    return raw if forwarded is doc else jsoncodec.dumps(forwarded)

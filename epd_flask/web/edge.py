@@ -20,6 +20,8 @@ _GZIP_WBITS = 16 + zlib.MAX_WBITS
 _DEFLATE_WBITS = 32 + zlib.MAX_WBITS  # auto-detects a zlib header; raw deflate handled below
 DECODE_STEP = 1 << 20
 SUPPORTED_ENCODINGS = ("gzip", "deflate", "identity")
+#: Body fields a client may not send through us: the KV connector's, set per leg by the proxy.
+PROXY_FIELDS = frozenset({"kv_transfer_params"})
 
 MISSING_KEY = ("You didn't provide an API key. You need to provide your API key in an "
                "Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
@@ -61,6 +63,25 @@ def bearer_token(authorization: str | None) -> str | None:
     if scheme.lower() != "bearer" or not token:
         return None
     return token
+
+
+def is_key(authorization: str | None, key: str | None) -> bool:
+    """Does this Authorization header carry ``key`` as its bearer token (constant time)?"""
+    token = bearer_token(authorization)
+    if not key or token is None:
+        return False
+    return hmac.compare_digest(_digest(token), _digest(key))
+
+
+def without_proxy_fields(doc: dict[str, Any]) -> dict[str, Any]:
+    """The body without fields only the proxy may set (the same dict when it has none).
+
+    ``kv_transfer_params`` tells an instance where to push or pull KV blocks: from a client
+    it would point a decode at any engine's memory, or make a prefill push to any host.
+    """
+    if not any(name in doc for name in PROXY_FIELDS):
+        return doc
+    return {k: v for k, v in doc.items() if k not in PROXY_FIELDS}
 
 
 def _digest(key: str) -> bytes:
