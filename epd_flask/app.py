@@ -8,7 +8,9 @@ production, a fixture in tests), after gevent has patched the worker.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from flask import Flask, Response
 from werkzeug.exceptions import HTTPException
@@ -61,6 +63,13 @@ class Services:
     def roster(self) -> Roster:
         """The roster this worker routes by right now (reloads and admin changes replace it)."""
         return self.pipeline.roster
+
+    def listening_on(self, addresses: Iterable[Any]) -> None:
+        """The server's listening addresses, so registration refuses the proxy itself (a
+        request loop). UNIX socket paths are skipped: no instance URL can name them."""
+        own = tuple((str(a[0]), int(a[1])) for a in addresses
+                    if isinstance(a, tuple) and len(a) >= 2)
+        self.url_policy = replace(self.url_policy, own=own)
 
     def start(self) -> None:
         self.transport.start()

@@ -110,6 +110,7 @@ def post_worker_init(worker):
     error event instead of being cut when the master's SIGKILL comes."""
     services = getattr(worker.wsgi, "extensions", {}).get("epd_flask")
     if services is not None:
+        services.listening_on(s.getsockname() for s in worker.sockets)
         services.start()
         services.drain.watch(lambda: worker.alive, worker.cfg.graceful_timeout)
 

@@ -81,6 +81,7 @@ def proxy() -> Iterator[Callable[..., Proxy]]:
         app = create_app(ProxyConfig(**config), parse(doc, "test roster"))
         server = WSGIServer(("127.0.0.1", 0), app, log=None, handler_class=NoDelayHandler)
         server.start()
+        services(app).listening_on([server.address])
         if probes:
             services(app).start()
         p = Proxy(app, server)

@@ -56,6 +56,16 @@ class Instance(_Strict):
     def _http_url(cls, value: str | None) -> str | None:
         return None if value is None else normalize_url(value)
 
+    @field_validator("kv_zmq_addr")
+    @classmethod
+    def _kv_address(cls, value: str | None) -> str | None:
+        return None if value is None else transfer_address(value)
+
+    @field_validator("ec_zmq_addrs")
+    @classmethod
+    def _ec_addresses(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        return None if value is None else tuple(transfer_address(v) for v in value)
+
     def record(self) -> dict[str, Any]:
         """The fields an operator wrote (defaults left out), as the roster file spells them."""
         return self.model_dump(mode="json", exclude_defaults=True) | {
@@ -65,6 +75,7 @@ class Instance(_Strict):
 def normalize_url(value: str) -> str:
     """An instance's identity: its base URL without a trailing slash (docs/behaviour.md#roster)."""
     value = value.strip().rstrip("/")
+    _printable(value)
     parts = urlsplit(value)
     try:
         parts.port  # noqa: B018 - raises ValueError for a port that is not a number
@@ -75,6 +86,28 @@ def normalize_url(value: str) -> str:
     if parts.query or parts.fragment:
         raise ValueError(f"must not carry a query or fragment, got {value!r}")
     return value
+
+
+def transfer_address(value: str) -> str:
+    """A KV/EC transfer address: ``host:port`` or ``tcp://host:port``. It travels in request
+    headers (the P2P NCCL request id) and bodies, so it is held to that shape."""
+    value = value.strip()
+    _printable(value)
+    parts = urlsplit(value if "://" in value else "tcp://" + value)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme != "tcp" or not parts.hostname or port is None or parts.path \
+            or parts.query or parts.fragment or "@" in parts.netloc:
+        raise ValueError(f"must be host:port or tcp://host:port, got {value!r}")
+    return value
+
+
+def _printable(value: str) -> None:
+    """Control characters (a CR LF) in an address would reach request lines and headers."""
+    if any(ord(c) < 0x21 or 0x7f <= ord(c) < 0xa0 for c in value):
+        raise ValueError(f"must not contain spaces or control characters, got {value!r}")
 
 
 #: Fleet-wide behaviour; every value has a default an operator can start from. Generated from

@@ -16,9 +16,20 @@ from typing import Any
 
 from flask import Blueprint, Response, current_app, request
 
-from epd_flask.control.roster import RoleConflict, RosterError, normalize_url, parse_instance
+from epd_flask.control.roster import (
+    Instance,
+    RoleConflict,
+    RosterError,
+    normalize_url,
+    parse_instance,
+)
 from epd_flask.control.rosterfile import RosterFileError, RosterWriteError
-from epd_flask.control.urlpolicy import URLPolicyError, check_instance_url
+from epd_flask.control.urlpolicy import (
+    URLPolicy,
+    URLPolicyError,
+    check_instance_address,
+    check_instance_url,
+)
 from epd_flask.core.errors import (
     ClientError,
     Conflict,
@@ -83,17 +94,29 @@ def register() -> Response:
         inst = parse_instance(doc, "instance")
     except RosterError as exc:
         raise Unprocessable(str(exc)) from None
-    for field, url in (("url", inst.url), ("bootstrap_url", inst.bootstrap_url)):
-        if url is not None:  # both are requests the proxy will make: SSRF policy first
-            try:
-                check_instance_url(url, svc.url_policy)
-            except URLPolicyError as exc:
-                raise Unprocessable(f"{field}: {exc}", code="instance_url_not_allowed",
-                                    param=field) from None
+    _check_policy(inst, svc.url_policy)
     change = _change(fleet.register, inst)
     body = {"status": change.status, "generation": fleet.generation, "worker": os.getpid(),
             "instance": inst.record()}
     return _json(body, 201 if change.status == "registered" else 200)
+
+
+def _check_policy(inst: Instance, policy: URLPolicy) -> None:
+    """SSRF policy before anything is written: the URLs are requests the proxy will make,
+    the transfer addresses connections the instances will make on the proxy's word."""
+    checks: list[tuple[str, str, Any]] = [("url", inst.url, check_instance_url)]
+    if inst.bootstrap_url is not None:
+        checks.append(("bootstrap_url", inst.bootstrap_url, check_instance_url))
+    if inst.kv_zmq_addr is not None:
+        checks.append(("kv_zmq_addr", inst.kv_zmq_addr, check_instance_address))
+    for n, addr in enumerate(inst.ec_zmq_addrs or ()):
+        checks.append((f"ec_zmq_addrs[{n}]", addr, check_instance_address))
+    for field, value, check in checks:
+        try:
+            check(value, policy)
+        except URLPolicyError as exc:
+            raise Unprocessable(f"{field}: {exc}", code="instance_url_not_allowed",
+                                param=field) from None
 
 
 @bp.delete("/instances")
