@@ -100,6 +100,7 @@ def build_services(config: ProxyConfig, roster: Roster, generation: int = 0) -> 
         idle_timeout=config.upstream_idle_timeout, keepalive=config.upstream_keepalive,
         tls=TLSFiles(config.upstream_ca_bundle, config.upstream_client_cert,
                      config.upstream_client_key),
+        max_answer_bytes=config.max_upstream_body_bytes,
     )
     cls = connector_class(settings.connector)
     discovery = None

@@ -40,6 +40,7 @@ class ProxyConfig:
     admin_prefix: str = ""
     # What upstream answers may cost a worker.
     max_event_bytes: int = default("EPD_MAX_EVENT_BYTES")
+    max_upstream_body_bytes: int = default("EPD_MAX_UPSTREAM_BODY_BYTES")
     # Which URLs may be registered as instances (SSRF guard for the admin API).
     instance_schemes: tuple[str, ...] = default("EPD_INSTANCE_SCHEMES")
     instance_networks: tuple[str, ...] = field(default=())
@@ -82,6 +83,7 @@ class ProxyConfig:
             api_keys=_api_keys(environ),
             max_json_depth=read("EPD_MAX_JSON_DEPTH", environ),
             max_event_bytes=read("EPD_MAX_EVENT_BYTES", environ),
+            max_upstream_body_bytes=read("EPD_MAX_UPSTREAM_BODY_BYTES", environ),
             admin_prefix=read("EPD_ADMIN_PREFIX", environ).strip(),
             instance_schemes=read("EPD_INSTANCE_SCHEMES", environ),
             instance_networks=read("EPD_INSTANCE_NETWORKS", environ),

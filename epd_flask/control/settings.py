@@ -181,6 +181,9 @@ _ENV_VARS = (
     # holding it whole until its end.
     EnvVar("EPD_MAX_EVENT_BYTES", int, 4 * 1024 * 1024,
            "longest SSE event relayed from decode", (APP,)),
+    # Prefill's answer is one token plus handles, an encoder's a few references: kilobytes.
+    EnvVar("EPD_MAX_UPSTREAM_BODY_BYTES", int, 8 * 1024 * 1024,
+           "most read from a prefill, encoder or probe answer", (APP,)),
     EnvVar("EPD_ADMIN_PREFIX", str, "", "path prefix of the admin API", (APP,),
            shown="(none)"),
     EnvVar("EPD_INSTANCE_SCHEMES", tuple, ("http", "https"),

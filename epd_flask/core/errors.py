@@ -8,6 +8,7 @@ Imports nothing of ours.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
@@ -32,6 +33,7 @@ class ProxyError(Exception):
         stage: str | None = None,
         instance: str | None = None,
         param: str | None = None,
+        detail: str | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -42,6 +44,13 @@ class ProxyError(Exception):
         self.stage = stage
         self.instance = instance
         self.param = param
+        self.detail = detail
+
+    def __str__(self) -> str:
+        """The message as logs and ``/status`` show it: with the instance's URL and the
+        low-level reason, which the client's copy (``payload``) never carries."""
+        extra = "; ".join(x for x in (self.instance, self.detail) if x)
+        return f"{self.message} [{extra}]" if extra else self.message
 
     def payload(self) -> dict[str, Any]:
         return {
@@ -166,6 +175,12 @@ class BackendTimeout(BackendError):
     code = "upstream_timeout"
 
 
+class AnswerTooLarge(BackendError):
+    """An instance answered more than the proxy reads from it (``EPD_MAX_UPSTREAM_BODY_BYTES``)."""
+
+    code = "upstream_answer_too_large"
+
+
 class StreamInterrupted(BackendError):
     """The upstream died after bytes reached the client: reported in band, never retried."""
 
@@ -194,14 +209,25 @@ class BackendStatus(BackendError):
         content_type: str | None,
         stage: str | None = None,
         instance: str | None = None,
+        detail: str | None = None,
     ) -> None:
-        super().__init__(message, status=upstream_status, stage=stage, instance=instance)
+        super().__init__(message, status=upstream_status, stage=stage, instance=instance,
+                         detail=detail)
         self.body = body
         self.content_type = content_type
         self.retryable = upstream_status >= 500
         if upstream_status < 500:
             self.type = "invalid_request_error"
             self.code = "upstream_rejected"
+
+
+def instance_label(url: str | None) -> str:
+    """How a client-facing message names an instance: a short digest of its URL, the same in
+    every worker and across reloads, so a client's report can be matched to the instance
+    (logs and ``/status`` show the URL next to it) while internal addresses stay inside."""
+    if not url:
+        return "?"
+    return hashlib.blake2s(url.encode(), digest_size=3, person=b"epd-inst").hexdigest()
 
 
 def render(err: ProxyError) -> tuple[int, bytes, str]:

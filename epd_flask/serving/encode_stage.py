@@ -18,7 +18,7 @@ from typing import Any
 
 from epd_flask.control.roster import Instance, Settings
 from epd_flask.core import cooperate, jsoncodec
-from epd_flask.core.errors import BackendError, BackendStatus
+from epd_flask.core.errors import BackendError, BackendStatus, instance_label
 from epd_flask.core.headers import REQUEST_ID_HEADER
 from epd_flask.fleet.registry import Registry
 from epd_flask.fleet.routing import Router
@@ -89,9 +89,10 @@ class EncodeStage:
                     batch.items, _reported(raw, call, ctx), send_uuids=rewrite,
                     audio_in_video=audio_in_video, transfer_ids=transfer_ids))
             except multimodal.ReportError as exc:
-                raise BackendError(f"encoder {call.target.url} answered an unusable "
-                                   f"ec_transfer_params: {exc}", code="bad_encoder_report",
-                                   stage=ENCODE_STAGE, instance=call.target.url) from None
+                raise BackendError(f"encoder {instance_label(call.target.url)} answered an "
+                                   f"unusable ec_transfer_params: {exc}",
+                                   code="bad_encoder_report", stage=ENCODE_STAGE,
+                                   instance=call.target.url) from None
         started = time.monotonic()
         out = multimodal.rewrite(body, items, encoded) if rewrite else body
         out = multimodal.attach_handles(out, encoded, rewritten=rewrite)

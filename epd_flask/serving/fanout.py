@@ -26,6 +26,7 @@ from epd_flask.core.errors import (
     BackendUnavailable,
     ProxyError,
     StreamInterrupted,
+    instance_label,
 )
 from epd_flask.fleet.registry import Registry
 from epd_flask.serving.context import RequestContext
@@ -82,8 +83,8 @@ class Fanout:
                 raise
             stalled = sorted({targets[i].url for i, g in enumerate(greenlets) if not g.ready()})
             raise BackendTimeout(
-                f"encoder {', '.join(stalled)} sent no answer within {timeout:g} s "
-                "(encoder_timeout); the request was abandoned",
+                f"encoder {', '.join(instance_label(u) for u in stalled)} sent no answer "
+                f"within {timeout:g} s (encoder_timeout); the request was abandoned",
                 stage=ENCODE_STAGE, instance=",".join(stalled) or None) from None
         finally:
             deadline.close()
@@ -126,7 +127,8 @@ class Fanout:
                                        read_timeout=timeout)
             status = resp.status_code
             self.transport.raise_for_status(resp, ENCODE_STAGE)
-            return self.transport.read_body(resp, ENCODE_STAGE)
+            return self.transport.read_body(resp, ENCODE_STAGE,
+                                            max_bytes=self.transport.max_answer_bytes)
         except BackendUnavailable as err:
             self.registry.record_failure(url, str(err))
             failure = err

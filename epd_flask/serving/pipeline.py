@@ -28,6 +28,7 @@ from epd_flask.core.errors import (
     ClientDisconnected,
     ProxyError,
     StreamInterrupted,
+    instance_label,
 )
 from epd_flask.core.headers import REQUEST_ID_HEADER, client_headers
 from epd_flask.fleet.registry import Registry
@@ -126,6 +127,8 @@ class Pipeline:
         url = target.url + upstream_path(path) + (f"?{query}" if query else "")
         resp = self._send(target, "decode", method, url, ctx, headers=headers, body=body,
                           **self._decode_timeouts(stream=True))
+        if 300 <= resp.status_code < 400:
+            self._check(resp, target, "decode", ctx)
         return self._reply(resp, ctx, stream=True)
 
     def _attempt(self, path: str, body: dict[str, Any], ctx: RequestContext) -> Reply:
@@ -155,9 +158,16 @@ class Pipeline:
             if not self._recompute_instead(err, route, ctx):
                 raise
             answer = None
-        leg = self.connector.decode_leg(body, route, answer)
-        return self._open_decode(route.decode, path, leg, ctx,
-                                 cached_tokens=usage.prefill_cached_tokens(answer))
+        try:
+            leg = self.connector.decode_leg(body, route, answer)
+            cached_tokens = usage.prefill_cached_tokens(answer)
+        except ValueError as exc:  # the connector's and usage's checks of prefill's answer
+            url = route.prefill.instance.url
+            self.counters["prefill_failures"] += 1
+            raise BackendError(f"prefill instance {instance_label(url)} answered an unusable "
+                               f"reply: {exc}", code="bad_prefill_answer", stage="prefill",
+                               instance=url) from None
+        return self._open_decode(route.decode, path, leg, ctx, cached_tokens=cached_tokens)
 
     def _recompute_instead(self, err: BackendError, route: Route, ctx: RequestContext) -> bool:
         """Whether a failed prefill leg may be replaced by decode recomputing the prompt.
@@ -183,7 +193,8 @@ class Pipeline:
                               self.roster.settings.prefill_timeout)
             self._check(resp, target, "prefill", ctx)
             try:
-                raw = self.transport.read_body(resp, "prefill")
+                raw = self.transport.read_body(resp, "prefill",
+                                               max_bytes=self.transport.max_answer_bytes)
             except ProxyError as err:
                 ctx.leg_close("prefill", target.url, error=err)
                 raise
@@ -195,8 +206,8 @@ class Pipeline:
         try:
             answer = jsoncodec.loads(raw)
         except ValueError:
-            raise BackendError(f"prefill instance {target.url} answered non-JSON",
-                               stage="prefill", instance=target.url) from None
+            raise BackendError(f"prefill instance {instance_label(target.url)} answered "
+                               "non-JSON", stage="prefill", instance=target.url) from None
         return answer if isinstance(answer, dict) else None
 
     # -- prefill and decode at once (mooncake) ----------------------------------------------
@@ -249,9 +260,10 @@ class Pipeline:
         ctx.instances["decode"] = target.url
         started = time.monotonic()
         resp = self._post(target, "decode", path, leg, ctx,
-                          **self._decode_timeouts(bool(leg.body.get("stream"))))
+                          **self._decode_timeouts(fields.streams(leg.body)))
         try:
             self._check(resp, target, "decode", ctx)
+            self._check_kind(resp, target, ctx, fields.streams(leg.body))
             chunks = self.transport.iter_raw(resp, "decode")
             first = next(chunks, b"")
         except StreamInterrupted as err:
@@ -272,12 +284,12 @@ class Pipeline:
                      cached_tokens: int = 0) -> Reply:
         ctx.instances["decode"] = target.url
         started = time.monotonic()
-        resp = self._post(target, "decode", path, leg, ctx,
-                          **self._decode_timeouts(bool(leg.body.get("stream"))))
+        stream = fields.streams(leg.body)
+        resp = self._post(target, "decode", path, leg, ctx, **self._decode_timeouts(stream))
         self._check(resp, target, "decode", ctx)
+        self._check_kind(resp, target, ctx, stream)
         ctx.mark("decode_first_byte", started)
-        return self._reply(resp, ctx, stream=fields.streams(leg.body),
-                           cached_tokens=cached_tokens)
+        return self._reply(resp, ctx, stream=stream, cached_tokens=cached_tokens)
 
     def _reply(self, resp: Upstream, ctx: RequestContext, stream: bool, *,
                cached_tokens: int = 0, chunks: Iterator[bytes] | None = None,
@@ -353,6 +365,23 @@ class Pipeline:
                 self.registry.record_failure(target.url, str(err))
                 ctx.failed.add(target.url)
             raise
+
+    def _check_kind(self, resp: Upstream, target: Instance, ctx: RequestContext,
+                    stream: bool) -> None:
+        """A completion's answer is an event stream when one was asked for and JSON
+        otherwise; anything else (an HTML page from something in front of decode, a wrong
+        route) would reach the client as if it were the completion."""
+        content_type = resp.headers.get("Content-Type", "")
+        expected = "text/event-stream" if stream else "application/json"
+        if content_type.split(";", 1)[0].strip().lower() == expected:
+            return
+        resp.close()
+        err = BackendError(
+            f"decode instance {instance_label(target.url)} answered {resp.status_code} with "
+            f"Content-Type {content_type[:80] or '(none)'!r}, not {expected}",
+            code="upstream_bad_answer", stage="decode", instance=target.url)
+        ctx.leg_close("decode", target.url, error=err)
+        raise err
 
     def _check(self, resp: Upstream, target: Instance, stage: str,
                ctx: RequestContext) -> None:

@@ -17,23 +17,42 @@ DATA_PREFIX = b"data: "
 EVENT_END = b"\n\n"
 
 
-def _count(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+class UsageError(ValueError):
+    """Prefill reported prefix-cache hits no prompt could have: a broken or hostile prefill,
+    whose number must not reach the client's bill."""
+
+
+def _cached(value: Any, prompt_tokens: Any, where: str) -> int:
+    """A reported hit count, checked: absent or null is 0; anything else must be a whole
+    number from 0 to the prompt's length."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise UsageError(f"{where} is not a non-negative integer")
+    if isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int):
+        raise UsageError(f"{where} is reported without usage.prompt_tokens to bound it")
+    if value > prompt_tokens:
+        raise UsageError(f"{where} ({value}) exceeds usage.prompt_tokens ({prompt_tokens})")
+    return value
 
 
 def prefill_cached_tokens(reply: dict[str, Any] | None) -> int:
-    """Prompt tokens prefill served from its prefix cache, as it reported them (0: none)."""
+    """Prompt tokens prefill served from its prefix cache, as it reported them (0: none);
+    ``UsageError`` when the report cannot be true."""
     if not isinstance(reply, dict):
         return 0
     found = 0
     usage = reply.get("usage")
+    prompt_tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
     if isinstance(usage, dict):
         details = usage.get("prompt_tokens_details")
         if isinstance(details, dict):
-            found = _count(details.get("cached_tokens"))
+            found = _cached(details.get("cached_tokens"), prompt_tokens,
+                            "usage.prompt_tokens_details.cached_tokens")
     params = reply.get("kv_transfer_params")
-    if isinstance(params, dict):
-        found = max(found, _count(params.get("remote_prefill_cached_tokens")))
+    if isinstance(params, dict) and params.get("remote_prefill_cached_tokens") is not None:
+        found = max(found, _cached(params["remote_prefill_cached_tokens"], prompt_tokens,
+                                   "kv_transfer_params.remote_prefill_cached_tokens"))
     return found
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import http.client
 import logging
+import ssl
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -32,11 +33,13 @@ from epd_flask import __version__
 from epd_flask.control import settings
 from epd_flask.core import cooperate, jsoncodec
 from epd_flask.core.errors import (
+    AnswerTooLarge,
     BackendError,
     BackendStatus,
     BackendTimeout,
     BackendUnavailable,
     StreamInterrupted,
+    instance_label,
 )
 from epd_flask.core.periodic import Periodic
 from epd_flask.upstream import chunked
@@ -124,8 +127,12 @@ class Transport:
     def __init__(self, connect_timeout: float = settings.default("connect_timeout"),
                  pool_maxsize: int = DEFAULT_POOL_MAXSIZE,
                  *, idle_timeout: float = DEFAULT_IDLE_TIMEOUT, keepalive: bool = True,
-                 tls: TLSFiles | None = None) -> None:
+                 tls: TLSFiles | None = None,
+                 max_answer_bytes: int = settings.default("EPD_MAX_UPSTREAM_BODY_BYTES")) -> None:
         self.connect_timeout = connect_timeout
+        # The most read from an answer the proxy consumes itself (prefill, encoders, probes)
+        # rather than relays: each is held whole in memory and parsed.
+        self.max_answer_bytes = max_answer_bytes
         self.pool_maxsize = pool_maxsize
         self.lifecycle = Lifecycle(idle_timeout=idle_timeout, keepalive=keepalive)
         # Loading the trust here makes a missing or broken bundle stop the worker's start.
@@ -229,37 +236,32 @@ class Transport:
             raise self._failure(exc, stage, url, read_timeout) from exc
         resp = Upstream(raw, url, (read_timeout, chunk_timeout), deadline)
         if not stream:
-            resp.content = self.read_body(resp, stage)
+            resp.content = self.read_body(resp, stage, max_bytes=self.max_answer_bytes)
         return resp
 
     def _failure(self, exc: Exception, stage: str, url: str,
-                 read_timeout: float) -> BackendError:
+                 read_timeout: float | None) -> BackendError:
         origin = _origin(url)
+        name = _name(stage, url)
+        kw: dict[str, Any] = {"stage": stage, "instance": origin, "detail": _detail(exc)}
         if isinstance(exc, NewConnectionError):
-            return BackendUnavailable(f"{stage} instance {origin} is unreachable: "
-                                      f"{_reason(exc)}", stage=stage, instance=origin)
+            return BackendUnavailable(f"{name} is unreachable: {_reason(exc)}", **kw)
         if isinstance(exc, ConnectTimeoutError):
             return BackendUnavailable(
-                f"{stage} instance {origin} did not accept a connection within "
-                f"{self.connect_timeout:g} s", stage=stage, instance=origin)
+                f"{name} did not accept a connection within {self.connect_timeout:g} s", **kw)
         if isinstance(exc, ReadTimeoutError):
             return BackendTimeout(
-                f"{stage} instance {origin} did not answer within {read_timeout:g} s "
-                f"({stage} timeout)", stage=stage, instance=origin)
+                f"{name} did not answer within {read_timeout:g} s ({stage} timeout)", **kw)
         if isinstance(exc, TLSConfigError):
             return BackendUnavailable(
-                f"{stage} instance {origin} failed TLS verification: upstream TLS is not "
-                f"usable: {_reason(exc)}", stage=stage, instance=origin)
+                f"{name} failed TLS verification: upstream TLS is not usable", **kw)
         if isinstance(exc, SSLError):
             return BackendUnavailable(
-                f"{stage} instance {origin} failed TLS verification: {_reason(exc)}",
-                stage=stage, instance=origin)
+                f"{name} failed TLS verification: {_reason(exc)}", **kw)
         if isinstance(exc, (ProtocolError, OSError)):
-            return BackendUnavailable(f"{stage} instance {origin} is unreachable: "
-                                      f"{_reason(exc)}", stage=stage, instance=origin)
+            return BackendUnavailable(f"{name} is unreachable: {_reason(exc)}", **kw)
         if isinstance(exc, (HTTPError, http.client.HTTPException, ValueError)):
-            return BackendError(f"{stage} instance {origin} failed: {_reason(exc)}",
-                                stage=stage, instance=origin)
+            return BackendError(f"{name} failed: {_reason(exc)}", **kw)
         raise exc
 
     def post_json(self, url: str, doc: dict[str, Any], **kw: Any) -> Upstream:
@@ -267,28 +269,61 @@ class Transport:
         headers["Content-Type"] = "application/json"
         return self.send("POST", url, headers=headers, body=encode_json(doc), **kw)
 
-    def read_body(self, resp: Upstream, stage: str, limit: int | None = None) -> bytes:
-        """The whole body of a response, closing it; mid-body failures map like any other."""
+    def read_body(self, resp: Upstream, stage: str, limit: int | None = None, *,
+                  max_bytes: int | None = None) -> bytes:
+        """The whole body of a response, closing it; mid-body failures map like any other.
+
+        ``limit``: keep at most this much and stop reading there (an error body shown to the
+        client). ``max_bytes``: an answer longer than this fails the stage with
+        ``AnswerTooLarge``; either way no more than that is ever held in memory.
+        """
         if resp.content is not None:
             data = resp.content
-        else:
-            try:
-                data = b"".join(self.iter_raw(resp, stage))
-            finally:
-                resp.close()
+            if max_bytes is not None and len(data) > max_bytes:
+                raise self._too_large(resp, stage, max_bytes)
+            return data[:limit] if limit is not None else data
+        bound = limit if max_bytes is None else max_bytes
+        pieces: list[bytes] = []
+        held = 0
+        try:
+            for piece in self.iter_raw(resp, stage):
+                pieces.append(piece)
+                held += len(piece)
+                if bound is not None and held > bound:
+                    if max_bytes is not None:
+                        raise self._too_large(resp, stage, max_bytes)
+                    break
+        finally:
+            resp.close()
+        data = b"".join(pieces)
         return data[:limit] if limit is not None else data
 
+    @staticmethod
+    def _too_large(resp: Upstream, stage: str, max_bytes: int) -> BackendError:
+        return AnswerTooLarge(
+            f"{_name(stage, resp.url)} answered more than {max_bytes} bytes "
+            "(EPD_MAX_UPSTREAM_BODY_BYTES)", stage=stage, instance=_origin(resp.url))
+
     def raise_for_status(self, resp: Upstream, stage: str) -> None:
-        """Turn an error status into ``BackendStatus`` carrying the upstream's own body."""
-        if resp.status_code < 400:
+        """Turn an error status into ``BackendStatus`` carrying the upstream's own body, and
+        a redirect into a failure of the stage: a client could not follow one to an
+        instance's internal address, and its ``Location`` would reveal that address."""
+        status = resp.status_code
+        if status < 300:
             return
+        if status < 400:
+            resp.close()
+            raise BackendError(f"{_name(stage, resp.url)} answered a redirect ({status})",
+                               code="upstream_redirect", stage=stage,
+                               instance=_origin(resp.url),
+                               detail=f"Location: {resp.headers.get('Location', '')}"[:300])
         try:
             body = self.read_body(resp, stage, MAX_ERROR_BODY)
         except BackendError:
             body = b""
         raise BackendStatus(
-            f"{stage} instance {_origin(resp.url)} answered {resp.status_code}",
-            upstream_status=resp.status_code, body=body,
+            f"{_name(stage, resp.url)} answered {status}",
+            upstream_status=status, body=body,
             content_type=resp.headers.get("Content-Type"), stage=stage,
             instance=_origin(resp.url),
         )
@@ -317,21 +352,19 @@ class Transport:
             origin = _origin(resp.url)
             if by_deadline and deadline is not None:
                 raise _total_timeout(stage, resp.url, deadline) from exc
+            name = _name(stage, resp.url)
             if first:
-                message = (f"{stage} instance {origin} sent no data within "
-                           f"{read_timeout:g} s ({stage} timeout)"
-                           if read_timeout is not None else
-                           f"{stage} instance {origin} stopped sending data")
+                message = (f"{name} sent no data within {read_timeout:g} s ({stage} timeout)"
+                           if read_timeout is not None else f"{name} stopped sending data")
             else:
-                message = (f"{stage} instance {origin} sent nothing for {chunk_timeout:g} s "
-                           f"between chunks ({stage} chunk timeout)"
-                           if chunk_timeout is not None else
-                           f"{stage} instance {origin} stopped sending data")
+                message = (f"{name} sent nothing for {chunk_timeout:g} s between chunks "
+                           f"({stage} chunk timeout)"
+                           if chunk_timeout is not None else f"{name} stopped sending data")
             raise BackendTimeout(message, stage=stage, instance=origin) from exc
         except (HTTPError, http.client.HTTPException, OSError) as exc:
             raise StreamInterrupted(
-                f"{stage} instance {_origin(resp.url)} closed the connection mid-response",
-                stage=stage, instance=_origin(resp.url)) from exc
+                f"{_name(stage, resp.url)} closed the connection mid-response",
+                stage=stage, instance=_origin(resp.url), detail=_detail(exc)) from exc
 
     def _close_pools(self) -> None:
         while self._pools:
@@ -376,10 +409,9 @@ def _pieces(raw: urllib3.BaseHTTPResponse) -> Iterator[bytes]:
 
 
 def _total_timeout(stage: str, url: str, deadline: Deadline) -> BackendTimeout:
-    origin = _origin(url)
-    return BackendTimeout(f"{stage} instance {origin} did not finish within "
+    return BackendTimeout(f"{_name(stage, url)} did not finish within "
                           f"{deadline.seconds:g} s ({stage} total timeout)",
-                          stage=stage, instance=origin)
+                          stage=stage, instance=_origin(url))
 
 
 def _set_read_timeout(raw: Any, seconds: float | None) -> None:
@@ -408,5 +440,24 @@ def _origin(url: str) -> str:
     return f"{scheme}://{rest.split('/', 1)[0]}"
 
 
+def _name(stage: str, url: str) -> str:
+    """An instance as a client's error message names it: its stage and label, no address."""
+    return f"{stage} instance {instance_label(_origin(url))}"
+
+
 def _reason(exc: BaseException) -> str:
+    """A failure's cause fit for a client: the operating system's or TLS's own words, never
+    urllib3's rendering, which names the host and port."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ssl.SSLError):
+            return str(getattr(seen, "reason", None) or "TLS error")
+        if isinstance(seen, OSError) and seen.strerror:
+            return seen.strerror
+        seen = seen.__cause__ or seen.__context__
+    return type(exc).__name__
+
+
+def _detail(exc: BaseException) -> str:
+    """The whole story, for logs and /status."""
     return str(exc)[:300]

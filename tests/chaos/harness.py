@@ -30,6 +30,7 @@ import requests
 import yaml
 from gevent.event import Event
 
+from epd_flask.core.errors import instance_label
 from tests.e2e.conftest import Process
 from tests.helpers import free_port
 
@@ -303,13 +304,19 @@ class Row:
     failures_elsewhere: list[str]
 
 
+def names(p: Phase, o: Outcome) -> bool:
+    """Whether a failure's message names the phase's instance (by its label: client-facing
+    errors carry no internal address)."""
+    return instance_label(p.instance) in o.message
+
+
 def phase_of(o: Outcome, phases: list[Phase]) -> Phase | None:
     """The phase a request belongs to: for a failure, the fault that was in effect while it
     ran and that its error names (a stream sent just before a kill dies of it); otherwise the
     phase it was sent in."""
     if o.result == "failed":
         for p in phases:
-            if p.instance in o.message and o.sent < p.ended and o.ended >= p.started:
+            if names(p, o) and o.sent < p.ended and o.ended >= p.started:
                 return p
     for p in phases:
         if p.started <= o.sent < p.ended:
@@ -324,7 +331,7 @@ def summarize(outcomes: list[Outcome], phases: list[Phase],
         mine = [o for o in outcomes if phase_of(o, phases) is p]
         failed = [o for o in mine if o.result == "failed"]
         elsewhere = [f"{o.rid} {o.code}: {o.message}" for o in failed
-                     if p is None or p.instance not in o.message]
+                     if p is None or not names(p, o)]
         retries = 0
         if p is not None:
             retries = sum(p.retries_after.values()) - sum(p.retries_before.values())

@@ -18,6 +18,8 @@ import pytest
 import requests
 import yaml
 
+from epd_flask.core.errors import instance_label
+
 pytestmark = pytest.mark.e2e
 
 CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "tell me a story"}],
@@ -241,7 +243,7 @@ def test_dead_decode_is_evicted_then_rejoins(procs, tmp_path) -> None:
     # as stream_interrupted); every other request succeeds, retried elsewhere if need be.
     cut = [r for r in results if not (r["ok"] and r["complete"])]
     assert all(r["started"] < killed and "stream_interrupted" in r["error"]
-               and d1.url in r["error"] for r in cut), cut
+               and instance_label(d1.url) in r["error"] for r in cut), cut
     assert len(cut) <= 4
     assert routed_after == []
     attempts = log_lines(gw, "attempt 1 failed", d1.url)

@@ -84,7 +84,10 @@ def test_a_refused_connection_is_unavailable() -> None:
     with pytest.raises(errors.BackendUnavailable) as info:
         send(Transport(), url)
     assert info.value.status == 503 and info.value.stage == "decode"
-    assert f"decode instance {url} is unreachable" in info.value.message
+    message = info.value.message
+    assert message == f"decode instance {errors.instance_label(url)} is unreachable: " \
+        "Connection refused"
+    assert "127.0.0.1" not in message and url in str(info.value)  # the URL is for the logs
 
 
 def test_a_listener_that_never_accepts_is_a_connect_timeout() -> None:

@@ -4,16 +4,40 @@ from __future__ import annotations
 
 import json
 
-from epd_flask.serving.usage import prefill_cached_tokens, rewrite_body, rewrite_events
+import pytest
+
+from epd_flask.serving.usage import (
+    UsageError,
+    prefill_cached_tokens,
+    rewrite_body,
+    rewrite_events,
+)
 
 
 def test_prefill_cached_tokens_from_usage_or_nixl_params() -> None:
     assert prefill_cached_tokens(None) == 0
     assert prefill_cached_tokens({"usage": {"prompt_tokens_details": None}}) == 0
-    assert prefill_cached_tokens({"usage": {"prompt_tokens_details": {"cached_tokens": 32}}}) == 32
-    assert prefill_cached_tokens({"kv_transfer_params": {"remote_prefill_cached_tokens": 64}}) == 64
-    assert prefill_cached_tokens(
-        {"kv_transfer_params": {"remote_prefill_cached_tokens": True}}) == 0
+    assert prefill_cached_tokens({"usage": {"prompt_tokens": 40, "prompt_tokens_details": {
+        "cached_tokens": 32}}}) == 32
+    assert prefill_cached_tokens({"usage": {"prompt_tokens": 64}, "kv_transfer_params": {
+        "remote_prefill_cached_tokens": 64}}) == 64
+    assert prefill_cached_tokens({"usage": {"prompt_tokens": 64}, "kv_transfer_params": {
+        "remote_prefill_cached_tokens": None}}) == 0
+
+
+@pytest.mark.parametrize("reply", [
+    {"usage": {"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": 10 ** 30}}},
+    {"usage": {"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": -1}}},
+    {"usage": {"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": "5"}}},
+    {"usage": {"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": 2.5}}},
+    {"usage": {"prompt_tokens": 9}, "kv_transfer_params": {"remote_prefill_cached_tokens": True}},
+    {"usage": {"prompt_tokens": "9", "prompt_tokens_details": {"cached_tokens": 5}}},
+    {"kv_transfer_params": {"remote_prefill_cached_tokens": 5}},
+], ids=["10^30", "negative", "text", "fraction", "bool", "prompt_tokens text",
+        "no prompt_tokens"])
+def test_cached_tokens_no_prompt_could_have_are_refused(reply) -> None:
+    with pytest.raises(UsageError):
+        prefill_cached_tokens(reply)
 
 
 def test_body_usage_gets_cached_tokens_and_keeps_other_details() -> None:
