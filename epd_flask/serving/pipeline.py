@@ -34,7 +34,7 @@ from epd_flask.core.headers import REQUEST_ID_HEADER, client_headers
 from epd_flask.fleet.registry import Registry
 from epd_flask.fleet.routing import Router
 from epd_flask.serving import fields, legs, relay, usage
-from epd_flask.serving.connectors import Connector, Leg, Route
+from epd_flask.serving.connectors import Connector, LegRequest, Route
 from epd_flask.serving.context import RequestContext
 from epd_flask.serving.encode_stage import EncodeStage
 from epd_flask.serving.fanout import Fanout
@@ -138,7 +138,7 @@ class Pipeline:
         if self.roster.combined:
             target = self.router.pick("prefill_decode", exclude=frozenset(ctx.failed))
             staged = self.encode.run(body, ctx, target, self.roster.settings)
-            return self._open_decode(target, path, Leg(staged.body, staged.consumer_headers),
+            return self._open_decode(target, path, LegRequest(staged.body, staged.consumer_headers),
                                      ctx)
         # Decode is chosen first: with no decode alive, prefill work would be wasted.
         decode = self.router.pick("decode", exclude=frozenset(ctx.failed))
@@ -183,7 +183,7 @@ class Pipeline:
                        ctx.request_id, route.prefill.instance.url, err)
         return True
 
-    def _prefill(self, route: Route, path: str, leg: Leg,
+    def _prefill(self, route: Route, path: str, leg: LegRequest,
                  ctx: RequestContext) -> dict[str, Any] | None:
         target = route.prefill.instance
         ctx.instances["prefill"] = target.url
@@ -246,7 +246,7 @@ class Pipeline:
         return self._reply(resp, ctx, stream=fields.streams(leg.body), chunks=chunks,
                            side=prefill)
 
-    def _drain_prefill(self, route: Route, path: str, leg: Leg, ctx: RequestContext) -> None:
+    def _drain_prefill(self, route: Route, path: str, leg: LegRequest, ctx: RequestContext) -> None:
         try:
             self._prefill(route, path, leg, ctx)
         except ProxyError as err:
@@ -254,7 +254,7 @@ class Pipeline:
                            route.prefill.instance.url, route.prefill.dp_rank, err)
             raise
 
-    def _open_first_byte(self, target: Instance, path: str, leg: Leg,
+    def _open_first_byte(self, target: Instance, path: str, leg: LegRequest,
                          ctx: RequestContext) -> tuple[Upstream, Iterator[bytes]]:
         """Open decode and read its first body bytes: in Mooncake they prove the KV arrived."""
         ctx.instances["decode"] = target.url
@@ -280,7 +280,7 @@ class Pipeline:
 
     # -- decode's answer to the client ------------------------------------------------------
 
-    def _open_decode(self, target: Instance, path: str, leg: Leg, ctx: RequestContext,
+    def _open_decode(self, target: Instance, path: str, leg: LegRequest, ctx: RequestContext,
                      cached_tokens: int = 0) -> Reply:
         ctx.instances["decode"] = target.url
         started = time.monotonic()
@@ -338,7 +338,7 @@ class Pipeline:
                 "chunk_timeout": settings.decode_chunk_timeout,
                 "total_timeout": settings.decode_total_timeout or None}
 
-    def _post(self, target: Instance, stage: str, path: str, leg: Leg,
+    def _post(self, target: Instance, stage: str, path: str, leg: LegRequest,
               ctx: RequestContext, read_timeout: float | None,
               chunk_timeout: float | None = None,
               total_timeout: float | None = None) -> Upstream:

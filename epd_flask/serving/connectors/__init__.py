@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from epd_flask.serving.connectors.base import (
     Connector,
-    Leg,
+    LegRequest,
     PickPrefill,
     Placement,
     Readiness,
@@ -46,5 +46,5 @@ def get_connector(name: str, pick_prefill: PickPrefill,
     return connector_class(name)(pick_prefill, readiness)
 
 
-__all__ = ["CONNECTORS", "Connector", "Leg", "PickPrefill", "Placement", "Readiness", "Route",
-           "SplitConnector", "connector_class", "get_connector", "prime_body"]
+__all__ = ["CONNECTORS", "Connector", "LegRequest", "PickPrefill", "Placement", "Readiness",
+           "Route", "SplitConnector", "connector_class", "get_connector", "prime_body"]

@@ -62,8 +62,9 @@ class Route:
 
 
 @dataclass
-class Leg:
-    """One upstream call of a route: its body, and headers beyond the request's common ones."""
+class LegRequest:
+    """What a connector builds for one upstream call of a route: its body, and headers beyond
+    the request's common ones. (The open call itself is tracked by ``context.Leg``.)"""
 
     body: Body
     headers: dict[str, str] = field(default_factory=dict)
@@ -86,10 +87,10 @@ class Connector(Protocol):
               exclude: frozenset[str]) -> Route:
         """Pick the prefill (and rank) for this attempt; ``exclude`` lists URLs that failed."""
 
-    def prefill_leg(self, body: Body, route: Route) -> Leg:
+    def prefill_leg(self, body: Body, route: Route) -> LegRequest:
         """The prefill call."""
 
-    def decode_leg(self, body: Body, route: Route, prefill_reply: Body | None) -> Leg:
+    def decode_leg(self, body: Body, route: Route, prefill_reply: Body | None) -> LegRequest:
         """The decode call, given prefill's answer (None: not read, failed, or concurrent)."""
 
 
@@ -117,9 +118,9 @@ class SplitConnector:
               exclude: frozenset[str]) -> Route:
         return Route(self._pick_prefill(exclude), decode, request_id, attempt)
 
-    def prefill_leg(self, body: Body, route: Route) -> Leg:
+    def prefill_leg(self, body: Body, route: Route) -> LegRequest:
         raise NotImplementedError
 
-    def decode_leg(self, body: Body, route: Route, prefill_reply: Body | None) -> Leg:
+    def decode_leg(self, body: Body, route: Route, prefill_reply: Body | None) -> LegRequest:
         raise NotImplementedError
 

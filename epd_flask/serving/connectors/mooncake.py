@@ -9,7 +9,7 @@ announced there). Prefill's own answer carries nothing decode needs; it is drain
 
 from __future__ import annotations
 
-from epd_flask.serving.connectors.base import Body, Leg, Route, SplitConnector, prime_body
+from epd_flask.serving.connectors.base import Body, LegRequest, Route, SplitConnector, prime_body
 
 DP_RANK_HEADER = "X-data-parallel-rank"
 
@@ -27,7 +27,7 @@ class MooncakeConnector(SplitConnector):
     recomputes = False
     bootstrap = True
 
-    def prefill_leg(self, body: Body, route: Route) -> Leg:
+    def prefill_leg(self, body: Body, route: Route) -> LegRequest:
         out = prime_body(body)
         out["kv_transfer_params"] = {
             "do_remote_decode": True,
@@ -35,9 +35,9 @@ class MooncakeConnector(SplitConnector):
             "transfer_id": transfer_id(route),
         }
         rank = route.prefill.dp_rank
-        return Leg(out, {DP_RANK_HEADER: str(rank)} if rank is not None else {})
+        return LegRequest(out, {DP_RANK_HEADER: str(rank)} if rank is not None else {})
 
-    def decode_leg(self, body: Body, route: Route, prefill_reply: Body | None) -> Leg:
+    def decode_leg(self, body: Body, route: Route, prefill_reply: Body | None) -> LegRequest:
         out = dict(body)
         out["kv_transfer_params"] = {
             "do_remote_decode": False,
@@ -46,4 +46,4 @@ class MooncakeConnector(SplitConnector):
             "remote_bootstrap_addr": route.prefill.instance.bootstrap_url,
             "transfer_id": transfer_id(route),
         }
-        return Leg(out)
+        return LegRequest(out)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from epd_flask.serving.connectors.base import Body, Leg, Route, SplitConnector, prime_body
+from epd_flask.serving.connectors.base import Body, LegRequest, Route, SplitConnector, prime_body
 
 logger = logging.getLogger(__name__)
 
@@ -82,12 +82,12 @@ def check_handle_types(params: dict[str, Any]) -> None:
 class NixlConnector(SplitConnector):
     name = "nixl"
 
-    def prefill_leg(self, body: Body, route: Route) -> Leg:
+    def prefill_leg(self, body: Body, route: Route) -> LegRequest:
         out = prime_body(body)
         out["kv_transfer_params"] = dict(PREFILL_REQUEST_PARAMS)
-        return Leg(out)
+        return LegRequest(out)
 
-    def decode_leg(self, body: Body, route: Route, prefill_reply: Body | None) -> Leg:
+    def decode_leg(self, body: Body, route: Route, prefill_reply: Body | None) -> LegRequest:
         request_id = route.request_id
         out = dict(body)
         out.pop("kv_transfer_params", None)
@@ -106,4 +106,4 @@ class NixlConnector(SplitConnector):
         else:
             logger.info("request %s: prefill returned no kv_transfer_params; decode recomputes",
                         request_id)
-        return Leg(out)
+        return LegRequest(out)

@@ -6,18 +6,18 @@ none recomputes, so a failed prefill may fall back to decode alone.
 
 from __future__ import annotations
 
-from epd_flask.serving.connectors.base import Body, Leg, Route, SplitConnector, prime_body
+from epd_flask.serving.connectors.base import Body, LegRequest, Route, SplitConnector, prime_body
 
 
 class NoneConnector(SplitConnector):
     name = "none"
 
-    def prefill_leg(self, body: Body, route: Route) -> Leg:
+    def prefill_leg(self, body: Body, route: Route) -> LegRequest:
         out = prime_body(body)
         out.pop("kv_transfer_params", None)
-        return Leg(out)
+        return LegRequest(out)
 
-    def decode_leg(self, body: Body, route: Route, prefill_reply: Body | None) -> Leg:
+    def decode_leg(self, body: Body, route: Route, prefill_reply: Body | None) -> LegRequest:
         out = dict(body)
         out.pop("kv_transfer_params", None)
-        return Leg(out)
+        return LegRequest(out)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import uuid
 
 from epd_flask.control.roster import Instance
-from epd_flask.serving.connectors.base import Body, Leg, Route, SplitConnector, prime_body
+from epd_flask.serving.connectors.base import Body, LegRequest, Route, SplitConnector, prime_body
 
 REQUEST_ID_HEADER = "X-Request-Id"
 
@@ -32,12 +32,12 @@ class P2pNcclConnector(SplitConnector):
         leg_id = pair_request_id(placed.instance.kv_zmq_addr or "", decode.kv_zmq_addr or "")
         return Route(placed, decode, leg_id, attempt)
 
-    def prefill_leg(self, body: Body, route: Route) -> Leg:
+    def prefill_leg(self, body: Body, route: Route) -> LegRequest:
         out = prime_body(body)
         out.pop("kv_transfer_params", None)
-        return Leg(out, {REQUEST_ID_HEADER: route.request_id})
+        return LegRequest(out, {REQUEST_ID_HEADER: route.request_id})
 
-    def decode_leg(self, body: Body, route: Route, prefill_reply: Body | None) -> Leg:
+    def decode_leg(self, body: Body, route: Route, prefill_reply: Body | None) -> LegRequest:
         out = dict(body)
         out.pop("kv_transfer_params", None)
-        return Leg(out, {REQUEST_ID_HEADER: route.request_id})
+        return LegRequest(out, {REQUEST_ID_HEADER: route.request_id})
