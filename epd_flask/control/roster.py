@@ -13,7 +13,7 @@ import sys
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 from urllib.parse import urlsplit
 
 import yaml
@@ -22,7 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from epd_flask.control import settings as declared
 
 Role = Literal["encode", "prefill", "decode", "prefill_decode"]
-ROLES: tuple[str, ...] = ("encode", "prefill", "decode", "prefill_decode")
+#: The roles in the order a request meets them (also the order summaries list them in).
+ROLES: tuple[str, ...] = get_args(Role)
 ConnectorName = Literal[declared.CONNECTORS]
 PrefillFailure = Literal[declared.PREFILL_FAILURES]
 

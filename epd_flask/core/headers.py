@@ -13,6 +13,8 @@ from collections.abc import Iterable, Mapping
 
 REQUEST_ID_HEADER = "X-Request-Id"
 AUTHORIZATION_HEADER = "Authorization"
+#: Which data-parallel rank of an instance takes a call (Mooncake prefill, an encoder's consumer).
+DP_RANK_HEADER = "X-data-parallel-rank"
 FORWARDED_REQUEST_HEADERS = frozenset({
     "accept",
     "accept-language",

@@ -13,10 +13,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from epd_flask.control.roster import ROLES
 from epd_flask.core.events import FleetEntry
 from epd_flask.observe.metrics import Snapshot
 
-ROLE_ORDER = ("encode", "prefill", "decode", "prefill_decode")
 STAGE_ORDER = ("encode", "rewrite", "prefill", "decode_first_byte")
 REFRESH_SECONDS = 5
 
@@ -176,7 +176,7 @@ def build(now: Snapshot, then: Snapshot | None, fleet: Sequence[FleetEntry],
 
 
 def _role_rank(role: str) -> int:
-    return ROLE_ORDER.index(role) if role in ROLE_ORDER else len(ROLE_ORDER)
+    return ROLES.index(role) if role in ROLES else len(ROLES)
 
 
 # -- rendering ---------------------------------------------------------------------------------

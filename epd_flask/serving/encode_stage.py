@@ -19,7 +19,7 @@ from typing import Any
 from epd_flask.control.roster import Instance, Settings
 from epd_flask.core import cooperate, jsoncodec
 from epd_flask.core.errors import BackendError, BackendStatus, instance_label
-from epd_flask.core.headers import REQUEST_ID_HEADER
+from epd_flask.core.headers import DP_RANK_HEADER, REQUEST_ID_HEADER
 from epd_flask.fleet.registry import Registry
 from epd_flask.fleet.routing import Router
 from epd_flask.serving import multimodal
@@ -27,8 +27,6 @@ from epd_flask.serving.context import RequestContext
 from epd_flask.serving.fanout import ENCODE_STAGE, EncoderCall, Fanout
 
 logger = logging.getLogger(__name__)
-
-DP_RANK_HEADER = "X-data-parallel-rank"
 
 
 @dataclass

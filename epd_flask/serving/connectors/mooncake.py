@@ -9,9 +9,8 @@ announced there). Prefill's own answer carries nothing decode needs; it is drain
 
 from __future__ import annotations
 
+from epd_flask.core.headers import DP_RANK_HEADER
 from epd_flask.serving.connectors.base import Body, LegRequest, Route, SplitConnector, prime_body
-
-DP_RANK_HEADER = "X-data-parallel-rank"
 
 
 def transfer_id(route: Route) -> str:

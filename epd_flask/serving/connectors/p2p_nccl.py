@@ -11,9 +11,8 @@ from __future__ import annotations
 import uuid
 
 from epd_flask.control.roster import Instance
+from epd_flask.core.headers import REQUEST_ID_HEADER
 from epd_flask.serving.connectors.base import Body, LegRequest, Route, SplitConnector, prime_body
-
-REQUEST_ID_HEADER = "X-Request-Id"
 
 
 def pair_request_id(prefill_addr: str, decode_addr: str, suffix: str | None = None) -> str:
