@@ -8,9 +8,6 @@ production, a fixture in tests), after gevent has patched the worker.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
-from typing import Any
 
 from flask import Flask, Response
 from werkzeug.exceptions import HTTPException
@@ -36,57 +33,12 @@ from epd_flask.upstream.tls import TLSFiles
 from epd_flask.upstream.transport import Transport
 from epd_flask.web.edge import KeyRing
 from epd_flask.web.inflight import InFlight, InFlightMiddleware
+from epd_flask.web.services import EXTENSION, Services, services
 from epd_flask.web.shutdown import Drain
 
 logger = logging.getLogger(__name__)
 
-EXTENSION = "epd_flask"
-
-
-@dataclass
-class Services:
-    config: ProxyConfig
-    registry: Registry
-    router: Router
-    transport: Transport
-    pipeline: Pipeline
-    prober: Prober
-    fleet: Fleet
-    inflight: InFlight
-    drain: Drain
-    discovery: BootstrapDiscovery | None = None
-    keys: KeyRing = field(default_factory=lambda: KeyRing(()))
-    url_policy: URLPolicy = field(default_factory=URLPolicy)
-    history: metrics.History = field(default_factory=metrics.History)
-
-    @property
-    def roster(self) -> Roster:
-        """The roster this worker routes by right now (reloads and admin changes replace it)."""
-        return self.pipeline.roster
-
-    def listening_on(self, addresses: Iterable[Any]) -> None:
-        """The server's listening addresses, so registration refuses the proxy itself (a
-        request loop). UNIX socket paths are skipped: no instance URL can name them."""
-        own = tuple((str(a[0]), int(a[1])) for a in addresses
-                    if isinstance(a, tuple) and len(a) >= 2)
-        self.url_policy = replace(self.url_policy, own=own)
-
-    def start(self) -> None:
-        self.transport.start()
-        self.fleet.start()  # inherit health first, so the first probe round builds on it
-        self.prober.start()
-        if self.discovery is not None:
-            self.discovery.start()
-        self.history.start()
-
-    def stop(self) -> None:
-        self.drain.stop()
-        self.prober.stop()
-        if self.discovery is not None:
-            self.discovery.stop()
-        self.history.stop()
-        self.fleet.stop()
-        self.transport.close()
+__all__ = ["Services", "build_services", "create_app", "services"]
 
 
 def build_services(config: ProxyConfig, roster: Roster, generation: int = 0) -> Services:
@@ -149,10 +101,6 @@ def create_app(config: ProxyConfig | None = None, roster: Roster | None = None) 
     app.register_error_handler(ProxyError, error_response)
     app.register_error_handler(HTTPException, http_error_response)
     return app
-
-
-def services(app: Flask) -> Services:
-    return app.extensions[EXTENSION]
 
 
 def error_response(err: ProxyError) -> Response:

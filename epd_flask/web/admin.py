@@ -14,7 +14,7 @@ import json
 import os
 from typing import Any
 
-from flask import Blueprint, Response, current_app, request
+from flask import Blueprint, Response, request
 
 from epd_flask.control.roster import (
     Instance,
@@ -38,6 +38,8 @@ from epd_flask.core.errors import (
     ProxyError,
     Unprocessable,
 )
+from epd_flask.fleet.rostersync import Fleet
+from epd_flask.web.services import Services, services
 
 bp = Blueprint("admin", __name__)
 
@@ -45,14 +47,15 @@ KEY_HEADER = "X-API-Key"
 BEARER = "bearer "
 
 
-def _services() -> Any:
-    svc = current_app.extensions["epd_flask"]
+def _authorized() -> Services:
+    """This worker's services, once the caller has shown the admin key."""
+    svc = services()
     authorize(svc.config.admin_api_key)
     return svc
 
 
-def _fleet() -> Any:
-    return _services().fleet
+def _fleet() -> Fleet:
+    return _authorized().fleet
 
 
 def authorize(key: str | None) -> None:
@@ -83,7 +86,7 @@ def list_instances() -> Response:
 
 @bp.post("/instances")
 def register() -> Response:
-    svc = _services()
+    svc = _authorized()
     fleet = svc.fleet
     try:
         doc = json.loads(request.get_data(cache=False).decode("utf-8"))

@@ -7,7 +7,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from flask import Blueprint, Response, current_app, request
+from flask import Blueprint, Response, request
 from werkzeug.exceptions import HTTPException
 
 from epd_flask.control import settings
@@ -18,6 +18,7 @@ from epd_flask.serving.context import RequestContext
 from epd_flask.serving.legs import peer_closed
 from epd_flask.serving.pipeline import Reply
 from epd_flask.web import edge, validation
+from epd_flask.web.services import services
 
 bp = Blueprint("api", __name__)
 
@@ -27,16 +28,12 @@ JSON_TYPES = ("application/json", "")
 ADMIN_PATH = "/instances"
 
 
-def _services():
-    return current_app.extensions["epd_flask"]
-
-
 def _context() -> RequestContext:
     rid = request_id(request.headers.get(REQUEST_ID_HEADER))
-    services = _services()
-    headers = upstream_headers(request.headers.items(), rid, services.config.backend_api_key)
-    if (services.keys.enabled and not services.config.backend_api_key) \
-            or edge.is_key(headers.get("Authorization"), services.config.admin_api_key):
+    svc = services()
+    headers = upstream_headers(request.headers.items(), rid, svc.config.backend_api_key)
+    if (svc.keys.enabled and not svc.config.backend_api_key) \
+            or edge.is_key(headers.get("Authorization"), svc.config.admin_api_key):
         # The client's bearer was our serving key, or the admin key sent to the wrong path:
         # either stays at the edge.
         headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
@@ -48,13 +45,13 @@ def _context() -> RequestContext:
 
 
 def _authorize() -> None:
-    _services().keys.check(request.headers.get("Authorization"))
+    services().keys.check(request.headers.get("Authorization"))
 
 
 def _body() -> bytes:
     """The request body, decoded, within the size limit (413 before reading an oversized
     body whose length is declared; chunked bodies are cut off as they pass the limit)."""
-    limit = _services().config.max_body_bytes
+    limit = services().config.max_body_bytes
     edge.check_length(request.content_length, limit)
     try:
         if request.content_length is None:
@@ -143,18 +140,18 @@ def completions() -> Response:
                               status=415, code="unsupported_media_type")
         raw = _body()
         ctx.bytes_in = len(raw)
-        body = parse_object(raw, _services().config.max_json_depth)
+        body = parse_object(raw, services().config.max_json_depth)
         cooperate.after_step(len(raw))
         validation.check_completion(request.path, body)
         body = edge.without_proxy_fields(body)
-        reply = _services().pipeline.completion(request.path, body, ctx)
+        reply = services().pipeline.completion(request.path, body, ctx)
     return _respond(reply)
 
 
 @bp.get("/health")
 @bp.get("/healthz")
 def health() -> Response:
-    svc = _services()
+    svc = services()
     ready, reason = svc.pipeline.ready()
     doc = {"status": "ok", "ready": ready, "reason": reason,
            "connector": svc.roster.settings.connector, "instances": svc.registry.snapshot(),
@@ -171,7 +168,7 @@ def health() -> Response:
 def ready() -> Response:
     """Readiness; ``/healthcheck`` is the probe path of the Rust seed proxy, so deployments
     moved from it keep working instead of having their probe forwarded to decode."""
-    svc = _services()
+    svc = services()
     ok, reason = svc.pipeline.ready()
     if svc.inflight.draining:
         ok, reason = False, "shutting down"
@@ -191,7 +188,7 @@ def passthrough(path: str) -> Response:
         raw: bytes | None = None
         if request.method == "POST":
             raw = _forwarded_body(_body(), (request.mimetype or "").lower())
-        reply = _services().pipeline.passthrough(
+        reply = services().pipeline.passthrough(
             request.method, request.path, request.query_string.decode("latin-1"), raw,
             request.headers.get("Content-Type"), ctx)
     return _respond(reply)
@@ -209,7 +206,7 @@ def _refuse_other_spellings(path: str) -> None:
     canonical = "/" + "/".join(part for part in path.split("/") if part)
     if canonical in COMPLETION_ROUTES and canonical != path:
         raise NotFound(f"no route {path}; did you mean {canonical}?")
-    prefix = _services().config.admin_prefix
+    prefix = services().config.admin_prefix
     if prefix and (canonical == ADMIN_PATH or canonical.startswith(ADMIN_PATH + "/")):
         raise NotFound(f"no route {path}")
 
@@ -228,6 +225,6 @@ def _forwarded_body(raw: bytes, mimetype: str) -> bytes:
         or raw.lstrip()[:1] == b"{"
     if not looks_json:
         return raw
-    doc = parse_object(raw, _services().config.max_json_depth)
+    doc = parse_object(raw, services().config.max_json_depth)
     forwarded = edge.without_proxy_fields(doc)
     return raw if forwarded is doc else jsoncodec.dumps(forwarded)

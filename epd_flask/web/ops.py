@@ -9,21 +9,18 @@ import json
 import logging
 import os
 
-from flask import Blueprint, Response, current_app, request
+from flask import Blueprint, Response, request
 
 from epd_flask.core.errors import NotFound
 from epd_flask.core.events import FleetEntry
 from epd_flask.core.headers import REQUEST_ID_HEADER, request_id, upstream_headers
 from epd_flask.observe import metrics, procstats, profiling, statuspage
 from epd_flask.web import admin
+from epd_flask.web.services import services
 
 logger = logging.getLogger(__name__)
 
 bp = Blueprint("ops", __name__)
-
-
-def _services():
-    return current_app.extensions["epd_flask"]
 
 
 @bp.get("/metrics")
@@ -33,7 +30,7 @@ def prometheus_metrics() -> Response:
 
 @bp.get("/status")
 def status_page() -> Response:
-    svc = _services()
+    svc = services()
     now = metrics.snapshot()
     ok, reason = svc.pipeline.ready()
     fleet = [FleetEntry(s.instance.role, s.instance.url, s.live) for s in svc.registry.states()]
@@ -45,7 +42,7 @@ def status_page() -> Response:
 @bp.get("/debug/worker")
 def debug_worker() -> Response:
     """What this worker holds (EPD_DEBUG_ENDPOINTS=1 only): for leak checks after faults."""
-    svc = _services()
+    svc = services()
     if not svc.config.debug_endpoints:
         raise NotFound("not found")
     peers = procstats.tcp_peers()
@@ -72,7 +69,7 @@ def stop_profile() -> Response:
 def _profile(action: str) -> Response:
     """An operator action: the admin key opens it, and the instances hear the fleet's backend
     key (never the caller's credential, which is the admin key)."""
-    svc = _services()
+    svc = services()
     admin.authorize(svc.config.admin_api_key)
     rid = request_id(request.headers.get(REQUEST_ID_HEADER))
     client = [(k, v) for k, v in request.headers.items() if k.lower() != "authorization"]

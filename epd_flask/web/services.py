@@ -1,0 +1,82 @@
+"""The per-worker services object and the one typed way a view reaches it.
+
+``app.create_app`` builds a ``Services`` and stores it in ``app.extensions``; views call
+``services()`` instead of reading the extension themselves, so they see its real type.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from flask import Flask, current_app
+
+from epd_flask.control.config import ProxyConfig
+from epd_flask.control.roster import Roster
+from epd_flask.control.urlpolicy import URLPolicy
+from epd_flask.fleet.prober import Prober
+from epd_flask.fleet.registry import Registry
+from epd_flask.fleet.rostersync import Fleet
+from epd_flask.fleet.routing import Router
+from epd_flask.observe import metrics
+from epd_flask.serving.connectors.discovery import BootstrapDiscovery
+from epd_flask.serving.pipeline import Pipeline
+from epd_flask.upstream.transport import Transport
+from epd_flask.web.edge import KeyRing
+from epd_flask.web.inflight import InFlight
+from epd_flask.web.shutdown import Drain
+
+EXTENSION = "epd_flask"
+
+
+@dataclass
+class Services:
+    config: ProxyConfig
+    registry: Registry
+    router: Router
+    transport: Transport
+    pipeline: Pipeline
+    prober: Prober
+    fleet: Fleet
+    inflight: InFlight
+    drain: Drain
+    discovery: BootstrapDiscovery | None = None
+    keys: KeyRing = field(default_factory=lambda: KeyRing(()))
+    url_policy: URLPolicy = field(default_factory=URLPolicy)
+    history: metrics.History = field(default_factory=metrics.History)
+
+    @property
+    def roster(self) -> Roster:
+        """The roster this worker routes by right now (reloads and admin changes replace it)."""
+        return self.pipeline.roster
+
+    def listening_on(self, addresses: Iterable[Any]) -> None:
+        """The server's listening addresses, so registration refuses the proxy itself (a
+        request loop). UNIX socket paths are skipped: no instance URL can name them."""
+        own = tuple((str(a[0]), int(a[1])) for a in addresses
+                    if isinstance(a, tuple) and len(a) >= 2)
+        self.url_policy = replace(self.url_policy, own=own)
+
+    def start(self) -> None:
+        self.transport.start()
+        self.fleet.start()  # inherit health first, so the first probe round builds on it
+        self.prober.start()
+        if self.discovery is not None:
+            self.discovery.start()
+        self.history.start()
+
+    def stop(self) -> None:
+        self.drain.stop()
+        self.prober.stop()
+        if self.discovery is not None:
+            self.discovery.stop()
+        self.history.stop()
+        self.fleet.stop()
+        self.transport.close()
+
+
+def services(app: Flask | None = None) -> Services:
+    """``app``'s services, or those of the app handling the current request."""
+    svc: Services = (current_app if app is None else app).extensions[EXTENSION]
+    return svc
