@@ -1,17 +1,20 @@
-"""What the serving path reports to whoever watches it: one small observer interface.
+"""What the serving path reports to whoever watches it: one ``EventHook`` per event.
 
-The request context, pipeline, registry and prober call ``bus``; observers (metrics.py) subscribe
-to it. Nothing on the hot path imports a metrics library, and with nobody subscribed a hook costs
-one empty loop. Imports nothing of ours.
+The request context, pipeline, registry, prober and edge fire these hooks; observers (metrics.py)
+add listeners to them. Each event is declared once, here, with the arguments its listeners get
+(Locust's ``event.py`` is the model). Nothing on the hot path imports a metrics library, and
+with nobody listening a hook costs one empty loop. Imports nothing of ours.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, NamedTuple, ParamSpec
 
 logger = logging.getLogger(__name__)
+
+P = ParamSpec("P")
 
 
 class FleetEntry(NamedTuple):
@@ -20,103 +23,66 @@ class FleetEntry(NamedTuple):
     live: bool
 
 
-class Observer:
-    """Do-nothing hooks; an observer overrides the ones it watches.
-
-    ``request_finished`` gets the finished ``RequestContext`` (typed loosely so this module stays
-    at the bottom of the import map).
-    """
-
-    def request_finished(self, ctx: Any) -> None: ...
-
-    def upstream_opened(self, role: str, url: str) -> None: ...
-
-    def upstream_closed(self, role: str, url: str) -> None: ...
-
-    def upstream_error(self, stage: str, url: str, kind: str) -> None: ...
-
-    def retry(self, stage: str, cause: str) -> None: ...
-
-    def probe(self, role: str, url: str, ok: bool, latency: float) -> None: ...
-
-    def evicted(self, role: str, url: str) -> None: ...
-
-    def rejoined(self, role: str, url: str) -> None: ...
-
-    def fleet(self, entries: Sequence[FleetEntry]) -> None:
-        """The whole roster with each instance's state, after any change to it."""
-
-    def reload(self, ok: bool) -> None:
-        """A roster reload was applied (``ok``) or refused (not ``ok``)."""
-
-    def load(self, in_flight: int, limit: int) -> None:
-        """This worker's client requests in flight changed (``limit``: its cap)."""
-
-    def refused(self, reason: str) -> None:
-        """A client request was refused before it started (``overloaded``)."""
-
-    def ended_by_shutdown(self, count: int) -> None:
-        """A stopping worker ended ``count`` requests that outlived its grace period."""
-
-
-class Bus(Observer):
-    """Hands every hook to each subscriber; an observer that raises never breaks a request."""
+class EventHook(Generic[P]):
+    """One event and its listeners. A listener that raises is logged and skipped: watching a
+    request must never break it, nor keep the other listeners from hearing of it."""
 
     def __init__(self) -> None:
-        self._observers: tuple[Observer, ...] = ()
+        self.name = ""  # set below from the module attribute that declares the hook
+        self._listeners: tuple[Callable[P, None], ...] = ()
 
-    def subscribe(self, observer: Observer) -> None:
-        if observer not in self._observers:
-            self._observers = (*self._observers, observer)
+    def add_listener(self, listener: Callable[P, None]) -> Callable[P, None]:
+        """Listen to this event (idempotent); returns ``listener`` so it can decorate."""
+        if listener not in self._listeners:
+            self._listeners = (*self._listeners, listener)
+        return listener
 
-    def unsubscribe(self, observer: Observer) -> None:
-        self._observers = tuple(o for o in self._observers if o is not observer)
+    def remove_listener(self, listener: Callable[P, None]) -> None:
+        self._listeners = tuple(x for x in self._listeners if x != listener)
 
-    def _emit(self, hook: str, *args: Any) -> None:
-        for observer in self._observers:
+    def fire(self, *args: P.args, **kwargs: P.kwargs) -> None:
+        for listener in self._listeners:
             try:
-                getattr(observer, hook)(*args)
+                listener(*args, **kwargs)
             except Exception:
-                logger.exception("observer %r failed in %s", observer, hook)
-
-    def request_finished(self, ctx: Any) -> None:
-        self._emit("request_finished", ctx)
-
-    def upstream_opened(self, role: str, url: str) -> None:
-        self._emit("upstream_opened", role, url)
-
-    def upstream_closed(self, role: str, url: str) -> None:
-        self._emit("upstream_closed", role, url)
-
-    def upstream_error(self, stage: str, url: str, kind: str) -> None:
-        self._emit("upstream_error", stage, url, kind)
-
-    def retry(self, stage: str, cause: str) -> None:
-        self._emit("retry", stage, cause)
-
-    def probe(self, role: str, url: str, ok: bool, latency: float) -> None:
-        self._emit("probe", role, url, ok, latency)
-
-    def evicted(self, role: str, url: str) -> None:
-        self._emit("evicted", role, url)
-
-    def rejoined(self, role: str, url: str) -> None:
-        self._emit("rejoined", role, url)
-
-    def fleet(self, entries: Sequence[FleetEntry]) -> None:
-        self._emit("fleet", entries)
-
-    def reload(self, ok: bool) -> None:
-        self._emit("reload", ok)
-
-    def load(self, in_flight: int, limit: int) -> None:
-        self._emit("load", in_flight, limit)
-
-    def refused(self, reason: str) -> None:
-        self._emit("refused", reason)
-
-    def ended_by_shutdown(self, count: int) -> None:
-        self._emit("ended_by_shutdown", count)
+                logger.exception("observer %r failed in %s",
+                                 getattr(listener, "__self__", listener), self.name)
 
 
-bus = Bus()
+#: A client request ended; the listener gets its finished ``RequestContext`` (typed loosely so
+#: this module stays at the bottom of the import map).
+request_finished: EventHook[[Any]] = EventHook()
+#: An upstream call opened: (role, url).
+upstream_opened: EventHook[[str, str]] = EventHook()
+#: An upstream call closed, whichever way: (role, url).
+upstream_closed: EventHook[[str, str]] = EventHook()
+#: An upstream call of a client request failed: (stage, url, error code).
+upstream_error: EventHook[[str, str, str]] = EventHook()
+#: An attempt is retried before the first byte: (failed stage, error code that caused it).
+retry: EventHook[[str, str]] = EventHook()
+#: A /health probe ended: (role, url, ok, latency in seconds).
+probe: EventHook[[str, str, bool, float]] = EventHook()
+#: An instance was evicted: (role, url).
+evicted: EventHook[[str, str]] = EventHook()
+#: An evicted instance rejoined: (role, url).
+rejoined: EventHook[[str, str]] = EventHook()
+#: The whole roster with each instance's state, after any change to it.
+fleet: EventHook[[Sequence[FleetEntry]]] = EventHook()
+#: A roster reload was applied (``ok``) or refused (not ``ok``).
+reload: EventHook[[bool]] = EventHook()
+#: This worker's client requests in flight changed: (in flight, its cap).
+load: EventHook[[int, int]] = EventHook()
+#: A client request was refused before it started: (reason, e.g. ``overloaded``).
+refused: EventHook[[str]] = EventHook()
+#: A stopping worker ended this many requests that outlived its grace period.
+ended_by_shutdown: EventHook[[int]] = EventHook()
+
+
+
+def _name_hooks() -> None:
+    for name, value in globals().items():
+        if isinstance(value, EventHook):
+            value.name = name
+
+
+_name_hooks()

@@ -15,8 +15,8 @@ from collections.abc import Callable
 import gevent.pool
 
 from epd_flask.control.roster import Settings
+from epd_flask.core import events
 from epd_flask.core.errors import ProxyError
-from epd_flask.core.events import bus
 from epd_flask.core.periodic import Periodic
 from epd_flask.fleet.registry import InstanceState, Registry
 from epd_flask.upstream.transport import Transport
@@ -73,7 +73,7 @@ class Prober:
             return ok  # removed (or removed and listed anew) meanwhile: this result is stale
         state.last_probe_at = time.time()
         state.last_probe_ok = ok
-        bus.probe(state.instance.role, url, ok, time.monotonic() - started)
+        events.probe.fire(state.instance.role, url, ok, time.monotonic() - started)
         if ok:
             self.registry.record_success(url, time.monotonic() - started)
         else:

@@ -16,7 +16,7 @@ from typing import Any
 
 from epd_flask.control import settings
 from epd_flask.control.roster import Instance
-from epd_flask.core.events import FleetEntry, bus
+from epd_flask.core import events
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ class Registry:
         if latency is not None:
             state.last_latency = latency
         if rejoined:
-            bus.rejoined(state.instance.role, url)
+            events.rejoined.fire(state.instance.role, url)
             self._announce()
 
     def record_failure(self, url: str, reason: str) -> None:
@@ -128,7 +128,7 @@ class Registry:
                 "instance %s (%s) evicted after %d consecutive failures: %s",
                 url, state.instance.role, state.failures, reason,
             )
-            bus.evicted(state.instance.role, url)
+            events.evicted.fire(state.instance.role, url)
             self._announce()
 
     def _changed(self, state: InstanceState) -> None:
@@ -153,7 +153,8 @@ class Registry:
         return gone
 
     def _announce(self) -> None:
-        bus.fleet([FleetEntry(s.instance.role, url, s.live) for url, s in self._states.items()])
+        events.fleet.fire([events.FleetEntry(s.instance.role, url, s.live)
+                                  for url, s in self._states.items()])
 
     def export(self) -> dict[str, dict[str, Any]]:
         """Health by URL as plain JSON-able data, with wall-clock times another process can

@@ -22,7 +22,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from epd_flask.control import settings
 from epd_flask.control.metricsdir import ENV as MULTIPROC_ENV
-from epd_flask.core.events import FleetEntry, Observer, bus
+from epd_flask.core import events
+from epd_flask.core.events import FleetEntry
 from epd_flask.core.periodic import Periodic
 from epd_flask.serving.context import FIRST_BYTE, TOTAL, RequestContext
 
@@ -116,8 +117,8 @@ def route_label(path: str) -> str:
     return path if path in KNOWN_ROUTES else OTHER_ROUTE
 
 
-class MetricsObserver(Observer):
-    """Turns serving-path events into metric updates (see events.py)."""
+class MetricsObserver:
+    """Turns serving-path events into metric updates: one listener per hook of events.py."""
 
     def __init__(self) -> None:
         # Every URL any roster of this process listed: the only allowed instance labels.
@@ -147,6 +148,22 @@ class MetricsObserver(Observer):
             CHUNKS.labels(route, served_by).inc(ctx.chunks)
         if ctx.bytes_out:
             BYTES.labels(route).inc(ctx.bytes_out)
+
+    def listen(self) -> None:
+        """Add every listener (idempotent)."""
+        events.request_finished.add_listener(self.request_finished)
+        events.upstream_opened.add_listener(self.upstream_opened)
+        events.upstream_closed.add_listener(self.upstream_closed)
+        events.upstream_error.add_listener(self.upstream_error)
+        events.retry.add_listener(self.retry)
+        events.probe.add_listener(self.probe)
+        events.evicted.add_listener(self.evicted)
+        events.rejoined.add_listener(self.rejoined)
+        events.fleet.add_listener(self.fleet)
+        events.reload.add_listener(self.reload)
+        events.load.add_listener(self.load)
+        events.refused.add_listener(self.refused)
+        events.ended_by_shutdown.add_listener(self.ended_by_shutdown)
 
     def upstream_opened(self, role: str, url: str) -> None:
         IN_FLIGHT.labels(role, self.instance_label(url)).inc()
@@ -204,7 +221,7 @@ OBSERVER = MetricsObserver()
 
 def install() -> None:
     """Subscribe the metrics to the serving path's events (idempotent)."""
-    bus.subscribe(OBSERVER)
+    OBSERVER.listen()
 
 
 def record_reload(ok: bool) -> None:

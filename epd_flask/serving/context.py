@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 from epd_flask.control.settings import LOG_FORMATS
+from epd_flask.core import events
 from epd_flask.core.errors import ProxyError
-from epd_flask.core.events import bus
 
 logger = logging.getLogger("epd_flask.requests")
 upstream_logger = logging.getLogger("epd_flask.upstream")
@@ -90,11 +90,11 @@ class RequestContext:
 
     def retry(self, err: ProxyError) -> None:
         self.retries += 1
-        bus.retry(err.stage or "unknown", err.code)
+        events.retry.fire(err.stage or "unknown", err.code)
 
     def leg_open(self, stage: str, role: str, url: str) -> None:
         self.legs.append(Leg(stage, role, url))
-        bus.upstream_opened(role, url)
+        events.upstream_opened.fire(role, url)
 
     def leg_close(self, stage: str, url: str, status: int | None = None,
                   error: ProxyError | None = None) -> None:
@@ -105,9 +105,9 @@ class RequestContext:
                 break
         else:
             return
-        bus.upstream_closed(leg.role, leg.url)
+        events.upstream_closed.fire(leg.role, leg.url)
         if error is not None:
-            bus.upstream_error(stage, url, error.code)
+            events.upstream_error.fire(stage, url, error.code)
         if SETTINGS.upstream_calls:
             ms = round((time.monotonic() - leg.started) * 1000.0, 3)
             outcome = f"error={_logfmt_value(error.message)}" if error else f"status={status}"
@@ -136,7 +136,7 @@ class RequestContext:
             self.leg_close(leg.stage, leg.url, status=self.status, error=blamed)
         if logger.isEnabledFor(logging.INFO):  # no formatting cost when nobody reads it
             logger.info("%s", self.log_line())
-        bus.request_finished(self)
+        events.request_finished.fire(self)
 
     def log_line(self) -> str:
         if SETTINGS.format == "json":

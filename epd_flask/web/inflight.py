@@ -22,9 +22,8 @@ from typing import Any
 import gevent
 from werkzeug.wsgi import ClosingIterator
 
-from epd_flask.core import errors
+from epd_flask.core import errors, events
 from epd_flask.core.errors import Overloaded, ProxyError
-from epd_flask.core.events import bus
 from epd_flask.core.headers import REQUEST_ID_HEADER, request_id
 
 logger = logging.getLogger(__name__)
@@ -58,7 +57,7 @@ class InFlight:
         # the ones left idle (see end_idle).
         self._idle_since: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
         self._ended: weakref.WeakSet[Any] = weakref.WeakSet()
-        bus.load(0, limit)
+        events.load.fire(0, limit)
 
     @property
     def count(self) -> int:
@@ -74,7 +73,7 @@ class InFlight:
         """
         if len(self._active) >= self.limit:
             self.rejected += 1
-            bus.refused("overloaded")
+            events.refused.fire("overloaded")
             return Overloaded(f"this server is at its limit of {self.limit} concurrent "
                               "requests; retry shortly")
         return None
@@ -90,12 +89,12 @@ class InFlight:
         self.seen(connection)
         self.admitted += 1
         self.peak = max(self.peak, len(self._active))
-        bus.load(len(self._active), self.limit)
+        events.load.fire(len(self._active), self.limit)
         return token
 
     def leave(self, token: object) -> None:
         _, connection = self._active.pop(token, (None, None))
-        bus.load(len(self._active), self.limit)
+        events.load.fire(len(self._active), self.limit)
         if connection is not None:
             self._idle_since[connection] = time.monotonic()
 

@@ -21,8 +21,8 @@ from collections.abc import Callable
 import gevent
 
 from epd_flask.control import settings
+from epd_flask.core import events
 from epd_flask.core.errors import ShuttingDown
-from epd_flask.core.events import bus
 from epd_flask.web.inflight import InFlight
 
 logger = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ class Drain:
                 "the server is shutting down and ended this request; retry it"))
         self.ended += len(running)
         if running:
-            bus.ended_by_shutdown(len(running))
+            events.ended_by_shutdown.fire(len(running))
             logger.warning("worker stopping: ended %d request(s) still running after %.1f s",
                            len(running), time.monotonic() - started)
         else:
