@@ -2,8 +2,8 @@
 
 Schema, loading and validation of ``etc/roster.yaml``. Imported by the gunicorn master, so it
 stays light (pydantic and PyYAML only, nothing that opens sockets or loads ``ssl``) and imports
-nothing of ours but the settings' declarations. ``epd-flask-check-roster FILE`` validates a
-file without starting anything.
+nothing of ours but the declarations of settings and connectors (settings.py,
+connectorspecs.py). ``epd-flask-check-roster FILE`` validates a file without starting anything.
 """
 
 from __future__ import annotations
@@ -18,13 +18,14 @@ from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
+from pydantic_core import PydanticCustomError
 
+from epd_flask.control import connectorspecs
 from epd_flask.control import settings as declared
 
 Role = Literal["encode", "prefill", "decode", "prefill_decode"]
 #: The roles in the order a request meets them (also the order summaries list them in).
 ROLES: tuple[str, ...] = get_args(Role)
-ConnectorName = Literal[declared.CONNECTORS]
 PrefillFailure = Literal[declared.PREFILL_FAILURES]
 
 
@@ -111,12 +112,23 @@ def _printable(value: str) -> None:
         raise ValueError(f"must not contain spaces or control characters, got {value!r}")
 
 
+def _known_connector(cls: Any, value: Any) -> Any:
+    """The connector is a name declared in connectorspecs.py; anything else is refused in
+    pydantic's own words for a choice outside a list."""
+    if not isinstance(value, str) or value not in connectorspecs.CONNECTORS:
+        raise PydanticCustomError("literal_error", "Input should be {expected}",
+                                  {"expected": connectorspecs.expected()})
+    return value
+
+
 #: Fleet-wide behaviour; every value has a default an operator can start from. Generated from
 #: the declarations in ``settings.py`` (type, default, bounds, help), which the README's
 #: table is checked against.
 Settings = create_model(
     "Settings", __base__=_Strict, __module__=__name__,
     __doc__="Fleet-wide behaviour; every value has a default an operator can start from.",
+    __validators__={
+        "_known_connector": field_validator("connector", mode="before")(_known_connector)},
     **{s.name: (s.type, Field(default=s.default, description=s.help, **s.bounds()))
        for s in declared.ROSTER.values()},
 )
@@ -150,19 +162,11 @@ def check_rules(roster: Roster) -> None:
             "prefill_decode instances cannot be mixed with standalone prefill/decode instances "
             "in one roster; use either combined (prefill_decode) or split (prefill + decode)"
         )
-    connector = roster.settings.connector
+    needs = connectorspecs.CONNECTORS[roster.settings.connector].needs
     for inst in roster.instances:
-        if connector == "mooncake" and inst.role == "prefill" and not inst.bootstrap_url:
-            raise RosterError(
-                f"instance {inst.url}: the mooncake connector needs bootstrap_url on every "
-                "prefill (its Mooncake bootstrap server, e.g. http://host:8998)"
-            )
-        if connector == "p2p_nccl" and inst.role in ("prefill", "decode") \
-                and not inst.kv_zmq_addr:
-            raise RosterError(
-                f"instance {inst.url}: the p2p_nccl connector needs kv_zmq_addr (host:port of "
-                "its P2pNcclConnector) on every prefill and decode"
-            )
+        for need in needs:
+            if inst.role in need.roles and not getattr(inst, need.field):
+                raise RosterError(f"instance {inst.url}: {need.message}")
         check_instance(inst)
     check_ec_consumers(roster)
 

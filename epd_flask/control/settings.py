@@ -25,7 +25,6 @@ LOG_LEVELS = ("debug", "info", "warning", "warn", "error", "critical")
 #: The default in-flight cap leaves this share of gunicorn's worker_connections free, so a
 #: worker at its cap still accepts connections to refuse quickly and to answer probes.
 IN_FLIGHT_SHARE = 0.9
-CONNECTORS = ("nixl", "none", "mooncake", "p2p_nccl")
 PREFILL_FAILURES = ("fail", "recompute")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -218,7 +217,8 @@ _ENV_VARS = (
 )
 
 _ROSTER_SETTINGS = (
-    RosterSetting("connector", Literal[CONNECTORS], "nixl",
+    # A name declared in connectorspecs.py; roster.py checks it against that list.
+    RosterSetting("connector", str, "nixl",
                   "how prefill and decode meet"),
     # Only connectors whose decode can serve alone (nixl, none) honour "recompute".
     RosterSetting("prefill_failure", Literal[PREFILL_FAILURES], "fail",

@@ -1,14 +1,20 @@
 """KV connectors: one module each behind the small ``Connector`` interface.
 
 Adding a connector is a module with a ``SplitConnector`` subclass (or anything satisfying
-``Connector``) and a line in ``CONNECTORS``; the roster's ``connector`` setting names it.
+``Connector``) and a line in ``control/connectorspecs.py`` naming it and the instance fields it
+needs; the roster's ``connector`` setting names it. The line lives in control/ because the
+gunicorn master validates rosters without importing this package; here the name becomes the
+class.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 
+from epd_flask.control.connectorspecs import CONNECTORS
 from epd_flask.serving.connectors.base import (
+    Body,
     Connector,
     LegRequest,
     PickPrefill,
@@ -18,27 +24,19 @@ from epd_flask.serving.connectors.base import (
     SplitConnector,
     prime_body,
 )
-from epd_flask.serving.connectors.mooncake import MooncakeConnector
-from epd_flask.serving.connectors.nixl import NixlConnector
-from epd_flask.serving.connectors.none import NoneConnector
-from epd_flask.serving.connectors.p2p_nccl import P2pNcclConnector
-
-CONNECTORS: dict[str, type[SplitConnector]] = {
-    "nixl": NixlConnector,
-    "none": NoneConnector,
-    "mooncake": MooncakeConnector,
-    "p2p_nccl": P2pNcclConnector,
-}
 
 
 def connector_class(name: str) -> type[SplitConnector]:
     try:
-        return CONNECTORS[name]
+        spec = CONNECTORS[name]
     except KeyError:
         raise ValueError(
             f"connector {name!r} is not available in this build; choose one of "
             + ", ".join(sorted(CONNECTORS))
         ) from None
+    module, _, attr = spec.implementation.partition(":")
+    cls: type[SplitConnector] = getattr(importlib.import_module(module), attr)
+    return cls
 
 
 def get_connector(name: str, pick_prefill: PickPrefill,
@@ -46,5 +44,5 @@ def get_connector(name: str, pick_prefill: PickPrefill,
     return connector_class(name)(pick_prefill, readiness)
 
 
-__all__ = ["CONNECTORS", "Connector", "LegRequest", "PickPrefill", "Placement", "Readiness",
+__all__ = ["CONNECTORS", "Body", "Connector", "LegRequest", "PickPrefill", "Placement", "Readiness",
            "Route", "SplitConnector", "connector_class", "get_connector", "prime_body"]
