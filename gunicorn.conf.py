@@ -1,8 +1,8 @@
 """gunicorn loads ./gunicorn.conf.py by default, so ``gunicorn -k gevent wsgi:app`` run from the
-project root gets the real settings and hooks, which live in etc/gunicorn.conf.py."""
+project root gets the real settings and hooks: the packaged configuration,
+``epd_flask/control/gunicorn_config.py``, run afresh each time gunicorn reads this file."""
 
-import os as _os
+from importlib.util import find_spec as _find_spec
 
-_path = _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "etc", "gunicorn.conf.py")
-with open(_path, encoding="utf-8") as _f:
-    exec(compile(_f.read(), _path, "exec"))
+_spec = _find_spec("epd_flask.control.gunicorn_config")
+exec(_spec.loader.get_code(_spec.name))

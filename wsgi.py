@@ -1,5 +1,5 @@
-"""The WSGI entry point gunicorn serves: ``gunicorn -k gevent wsgi:app``."""
+"""``gunicorn -k gevent wsgi:app`` from the project root: the packaged ``epd_flask.wsgi``."""
 
-from epd_flask.app import create_app
+from epd_flask.wsgi import app
 
-app = create_app()
+__all__ = ["app"]

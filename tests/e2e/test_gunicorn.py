@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import signal
 import time
 
 import pytest
@@ -109,3 +111,24 @@ def test_plain_gunicorn_command_runs_hooks_and_probes(procs) -> None:
         time.sleep(0.1)
     assert evicted == ["http://127.0.0.1:9"]
     assert requests.get(gw.url + "/ready", timeout=5).status_code == 200
+
+
+def test_the_repository_config_file_reexports_the_packaged_one(procs) -> None:
+    """`gunicorn -c etc/gunicorn.conf.py wsgi:app` still works: the file re-runs the packaged
+    configuration (settings and hooks), at start and again when SIGHUP re-reads it."""
+    p = procs["sim"]("prefill")
+    d = procs["sim"]("decode", "--output-tokens", "4")
+    gw = procs["gunicorn"](roster(p, d), "-c", "etc/gunicorn.conf.py")
+    ok = requests.post(gw.url + "/v1/chat/completions", json={**CHAT, "max_tokens": 4},
+                       timeout=30)
+    assert ok.status_code == 200
+    before = gw.workers()
+    os.kill(gw.proc.pid, signal.SIGHUP)
+    deadline = time.monotonic() + 15
+    while (not gw.workers() or gw.workers() & before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gw.workers() and not gw.workers() & before, gw.tail()
+    assert "roster" in gw.tail() and "reloaded" in gw.tail()
+    again = requests.post(gw.url + "/v1/chat/completions", json={**CHAT, "max_tokens": 4},
+                          timeout=30)
+    assert again.status_code == 200 and gw.proc.poll() is None

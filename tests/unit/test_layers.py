@@ -17,10 +17,12 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "epd_flask"
 
 #: Bottom to top. Each package may import the ones before it, never the ones after.
-LAYERS = ("core", "control", "upstream", "fleet", "serving", "observe", "web", "app")
+#: ``wsgi`` is the module gunicorn's workers load: the app, built.
+LAYERS = ("core", "control", "upstream", "fleet", "serving", "observe", "web", "app", "wsgi")
 #: Stands apart: the simulated fleet imports nothing of the proxy, and the proxy nothing of it.
 APART = "sim"
-#: What the gunicorn master imports: the control package and the gunicorn configuration.
+#: What the gunicorn master imports: the control package, which holds the gunicorn
+#: configuration and the ``epd-flask`` command that becomes the master.
 MASTER_MODULES = sorted(
     "epd_flask.control." + p.stem for p in (PACKAGE / "control").glob("*.py")
     if p.stem != "__init__"

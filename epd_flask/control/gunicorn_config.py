@@ -1,0 +1,132 @@
+"""gunicorn settings and hooks for epd-flask, shipped inside the package.
+
+Read by the gunicorn master: ``epd-flask`` runs ``gunicorn -c
+python:epd_flask.control.gunicorn_config epd_flask.wsgi:app``, and the repository's
+``etc/gunicorn.conf.py`` and top-level ``gunicorn.conf.py`` re-export this module. The master
+must stay light: nothing here imports ``ssl``, patches with gevent, or opens sockets; workers
+patch themselves (gevent worker) before they import the app.
+
+Every value can be overridden from the environment, so a systemd unit or a container only
+sets variables; each variable (type, default, check) is declared once in
+``epd_flask/control/settings.py``, and a bad value stops start-up with a message naming it.
+"""
+
+import logging
+
+# Standard library only (the master must not load ssl); see their docstrings.
+from epd_flask.control import metricsdir
+
+# Roster schema, validation and the state directory (pydantic, PyYAML, json; no ssl, no
+# gevent): the master validates the roster itself.
+from epd_flask.control import reload as _epd_reload
+from epd_flask.control.settings import read as _setting
+
+# Listen address: EPD_BIND wins, else HOST/PORT (make run uses PORT).
+bind = _setting("EPD_BIND")
+
+# Workers: one per core. A gevent worker is one process running one event loop; it carries
+# hundreds of concurrent streams, but only one core's worth of CPU (JSON parsing, relaying
+# chunks). Fewer workers than cores leaves CPU idle under load; more only add context
+# switches, and multiply what each worker keeps for itself: upstream connection pools, health
+# state, and probes (each worker probes every instance: workers x instances probes per
+# probe_interval; docs/deploy.md). In a container os.cpu_count() is the node's core count,
+# not the CPU limit: set EPD_WORKERS there.
+worker_class = "gevent"
+workers = _setting("EPD_WORKERS")
+# Concurrent client connections per worker: open streams plus idle keep-alive connections
+# from nginx (up to its upstream `keepalive` per nginx worker process). A host carries
+# workers x worker_connections; beyond that, new connections wait in the listen backlog. Each
+# open stream also holds a socket to its decode instance, so file descriptors run at about
+# twice this per worker (the systemd unit raises LimitNOFILE).
+worker_connections = _setting("EPD_WORKER_CONNECTIONS")
+
+# Timeouts versus minute-long streams:
+# - ``timeout`` is a heartbeat, not a request timeout: the gevent worker's own loop refreshes
+#   it while streams are open, so a generation of any length is never cut by it. Only a worker
+#   whose loop is blocked (a CPU-bound bug) for this long is killed and replaced.
+# - How long a stream may go quiet is the roster's decode_timeout (600 s), and nginx's
+#   proxy_read_timeout matches it.
+timeout = _setting("EPD_WORKER_TIMEOUT")
+# On SIGHUP/SIGTERM old workers get this long to finish the streams they carry; an LLM answer
+# can stream for minutes, so the default is generous. Whatever stops the master must wait
+# longer than this: systemd's TimeoutStopSec (630), Kubernetes' terminationGracePeriodSeconds.
+# A stopping worker also waits for its idle keep-alive connections to close, so behind nginx
+# a stop or reload ends once the last stream has ended and nginx dropped its idle
+# connections (at most 30 s later, its upstream keepalive_timeout).
+graceful_timeout = _setting("EPD_GRACEFUL_TIMEOUT")
+# Longer than nginx's upstream keepalive_timeout (30 s in etc/nginx.conf) so nginx, not us,
+# closes idle connections and never sends a request on one we already closed.
+keepalive = _setting("EPD_KEEPALIVE")
+
+# preload_app must stay off: the app is imported in each worker after gevent patched it.
+preload_app = False
+# Trust X-Forwarded-* only from the local reverse proxy.
+forwarded_allow_ips = _setting("FORWARDED_ALLOW_IPS")
+accesslog = _setting("EPD_ACCESS_LOG")
+loglevel = _setting("EPD_LOG_LEVEL")
+# `make reload` and systemd's ExecReload find the master here.
+pidfile = _setting("EPD_PIDFILE")
+
+
+def on_starting(server):
+    """Route the proxy's own loggers to stderr next to gunicorn's, and give the workers an
+    empty metrics directory to share; workers inherit both through fork. (Only at start: a
+    reload keeps the directory, so counters keep counting across it.)"""
+    log = logging.getLogger("epd_flask")
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(
+            "%(asctime)s [%(process)d] [%(levelname)s] %(name)s: %(message)s"))
+        log.addHandler(handler)
+        log.propagate = False
+    log.setLevel(_setting("EPD_LOG_LEVEL").upper())
+    requests_log = logging.getLogger("epd_flask.requests")
+    if _setting("EPD_LOG_FORMAT") == "json" and not requests_log.handlers:
+        # One bare JSON document per line (it carries its own timestamp).
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        requests_log.addHandler(handler)
+        requests_log.propagate = False
+    metricsdir.prepare()
+    # Validate the roster before listening; a bad one stops start-up with the reason.
+    _epd_reload.start(server)
+
+
+def when_ready(server):
+    # Re-read the roster as soon as SIGHUP arrives, even while gunicorn still waits for the
+    # old workers of an earlier reload to finish their streams.
+    _epd_reload.install_hup_handler(server)
+
+
+def on_reload(server):
+    """SIGHUP: re-read the roster. A bad one is logged and the last good one stays; gunicorn
+    then starts new workers from the good copy and lets the old ones finish their streams."""
+    _epd_reload.on_reload(server)
+
+
+def post_worker_init(worker):
+    """Start each worker's background greenlets once gevent has patched it, and its drain
+    watcher: when the worker is told to stop (SIGTERM, or an old worker of a reload), running
+    streams get until shortly before ``graceful_timeout`` and are then ended with an in-band
+    error event instead of being cut when the master's SIGKILL comes."""
+    services = getattr(worker.wsgi, "extensions", {}).get("epd_flask")
+    if services is not None:
+        services.listening_on(s.getsockname() for s in worker.sockets)
+        services.start()
+        services.drain.watch(lambda: worker.alive, worker.cfg.graceful_timeout)
+
+
+def child_exit(server, worker):
+    """A dead worker's live gauges (in-flight calls) must not be summed any more."""
+    metricsdir.mark_process_dead(worker.pid)
+
+
+def on_exit(server):
+    metricsdir.cleanup()
+    _epd_reload.cleanup(server)
+
+
+def worker_exit(server, worker):
+    services = getattr(getattr(worker, "wsgi", None), "extensions", {}).get("epd_flask")
+    if services is not None:
+        services.stop()
