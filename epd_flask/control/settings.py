@@ -26,6 +26,10 @@ LOG_LEVELS = ("debug", "info", "warning", "warn", "error", "critical")
 #: worker at its cap still accepts connections to refuse quickly and to answer probes.
 IN_FLIGHT_SHARE = 0.9
 PREFILL_FAILURES = ("fail", "recompute")
+#: The example roster shipped inside the package (in a checkout, a link to etc/roster.yaml):
+#: what a server started with no roster named serves, a simulated prefill on :8100 and decode
+#: on :8200.
+DEFAULT_ROSTER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default_roster.yaml")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -39,7 +43,9 @@ class EnvVar:
     ``type`` picks the parse (whole numbers, seconds, on/off, text, comma-separated list);
     ``choices`` restricts text; ``minimum`` bounds whole numbers. An empty value means "unset"
     unless ``literal``: for gunicorn's own ``HOST``-style values an empty string is a value.
-    ``shown`` is the README's default column where it is not the value itself.
+    ``shown`` is the README's default column where it is not the value itself. Each variable
+    is also a flag of the ``epd-flask`` command (``EPD_WORKERS`` is ``--workers``), except a
+    ``secret``: a key on a command line is readable by every user of the host.
     """
 
     name: str
@@ -52,6 +58,15 @@ class EnvVar:
     literal: bool = False
     default_from: Callable[[Environ], Any] | None = None
     shown: str | None = None
+    secret: bool = False
+    metavar: str | None = None
+
+    @property
+    def flag(self) -> str | None:
+        """The ``epd-flask`` option setting this variable; None for a secret."""
+        if self.secret:
+            return None
+        return "--" + self.name.removeprefix("EPD_").lower().replace("_", "-")
 
     def read(self, environ: Environ | None = None) -> Any:
         """The value in effect; a bad one raises ValueError naming the variable."""
@@ -126,14 +141,14 @@ def _in_flight(env: Environ) -> int:
 
 
 _ENV_VARS = (
-    EnvVar("EPD_ROSTER", str, "etc/roster.yaml", "roster file", (MASTER, APP),
-           shown="`etc/roster.yaml`"),
+    EnvVar("EPD_ROSTER", str, DEFAULT_ROSTER, "roster file", (MASTER, APP),
+           shown="the packaged example (a checkout's `etc/roster.yaml`)", metavar="FILE"),
     EnvVar("EPD_BIND", str, None, "listen address", (GUNICORN,), default_from=_bind,
-           shown="`$HOST:$PORT`"),
+           shown="`$HOST:$PORT`", metavar="HOST:PORT"),
     EnvVar("HOST", str, "127.0.0.1", "listen host when EPD_BIND is unset", (GUNICORN,),
-           literal=True),
+           literal=True, metavar="HOST"),
     EnvVar("PORT", str, "8000", "listen port when EPD_BIND is unset", (GUNICORN,),
-           literal=True),
+           literal=True, metavar="PORT"),
     EnvVar("EPD_WORKERS", int, None, "gunicorn workers (gevent: one per core)", (GUNICORN,),
            default_from=lambda env: os.cpu_count() or 1, shown="number of cores"),
     EnvVar("EPD_WORKER_CONNECTIONS", int, 1000, "concurrent connections per worker",
@@ -166,15 +181,16 @@ _ENV_VARS = (
            "off: one upstream connection per request", (APP,), shown="on"),
     EnvVar("EPD_UPSTREAM_CA_BUNDLE", str, None,
            "PEM bundle https:// instances are verified against", (APP,),
-           shown="(system store)"),
+           shown="(system store)", metavar="FILE"),
     EnvVar("EPD_UPSTREAM_CLIENT_CERT", str, None,
-           "client certificate shown to instances (mutual TLS)", (APP,), shown=""),
+           "client certificate shown to instances (mutual TLS)", (APP,), shown="",
+           metavar="FILE"),
     EnvVar("EPD_UPSTREAM_CLIENT_KEY", str, None,
-           "key of EPD_UPSTREAM_CLIENT_CERT", (APP,), shown=""),
+           "key of EPD_UPSTREAM_CLIENT_CERT", (APP,), shown="", metavar="FILE"),
     EnvVar("EPD_API_KEYS", tuple, (), "serving API keys, comma-separated", (APP,),
-           shown="(none: open)"),
+           shown="(none: open)", secret=True),
     EnvVar("EPD_API_KEYS_FILE", str, None, "serving API keys, one per line", (APP,),
-           shown="(none: open)"),
+           shown="(none: open)", metavar="FILE"),
     EnvVar("EPD_MAX_JSON_DEPTH", int, 64, "request bodies nested deeper get 400", (APP,)),
     # vLLM's events are hundreds of bytes (kilobytes with logprobs); relaying one means
     # holding it whole until its end.
@@ -184,7 +200,7 @@ _ENV_VARS = (
     EnvVar("EPD_MAX_UPSTREAM_BODY_BYTES", int, 8 * 1024 * 1024,
            "most read from a prefill, encoder or probe answer", (APP,)),
     EnvVar("EPD_ADMIN_PREFIX", str, "", "path prefix of the admin API", (APP,),
-           shown="(none)"),
+           shown="(none)", metavar="PATH"),
     EnvVar("EPD_INSTANCE_SCHEMES", tuple, ("http", "https"),
            "schemes an instance URL may be registered with", (APP,), shown="`http,https`"),
     EnvVar("EPD_INSTANCE_NETWORKS", tuple, (),
@@ -194,26 +210,26 @@ _ENV_VARS = (
            (GUNICORN, MASTER), choices=LOG_LEVELS),
     EnvVar("EPD_BACKEND_API_KEY", str, None,
            "sent to prefill and decode instead of the client's Authorization", (APP,),
-           shown="unset"),
+           shown="unset", secret=True),
     EnvVar("EPD_LOG_FORMAT", str, "logfmt", "the one line per request: logfmt or json",
            (MASTER, APP), choices=LOG_FORMATS),
     EnvVar("EPD_LOG_UPSTREAM", bool, False, "also one line per upstream call", (APP,),
            shown="0"),
     EnvVar("EPD_DEBUG_ENDPOINTS", bool, False, "serve GET /debug/worker", (APP,), shown="0"),
     EnvVar("EPD_ACCESS_LOG", str, None, "gunicorn's access log file (`-` for stderr)",
-           (GUNICORN,), shown="unset (no access log)"),
+           (GUNICORN,), shown="unset (no access log)", metavar="FILE"),
     EnvVar("PROMETHEUS_MULTIPROC_DIR", str, None, "where the workers write their metrics",
-           (MASTER, APP), shown="a private temporary directory"),
+           (MASTER, APP), shown="a private temporary directory", metavar="DIR"),
     EnvVar("ADMIN_API_KEY", str, None, "key of the admin API; unset disables it", (APP,),
-           shown="unset"),
+           shown="unset", secret=True),
     EnvVar("EPD_STATE_DIR", str, None,
            "runtime state the master shares with its workers", (MASTER, APP),
-           shown="a fresh `/tmp/epd-flask-*` per master"),
+           shown="a fresh `/tmp/epd-flask-*` per master", metavar="DIR"),
     EnvVar("EPD_PIDFILE", str, None, "gunicorn writes the master's pid here", (GUNICORN,),
-           shown="unset (`make run`: `.venv/gunicorn.pid`)"),
+           shown="unset (`make run`: `.venv/gunicorn.pid`)", metavar="FILE"),
     EnvVar("FORWARDED_ALLOW_IPS", str, "127.0.0.1",
            "addresses whose X-Forwarded-* headers gunicorn trusts", (GUNICORN,),
-           literal=True),
+           literal=True, metavar="A,B,..."),
 )
 
 _ROSTER_SETTINGS = (

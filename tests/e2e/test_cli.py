@@ -1,0 +1,133 @@
+"""The ``epd-flask`` command as an operator meets it: options generated from the settings'
+declarations, bad input refused before anything binds, ``reload`` that never signals a
+process it cannot vouch for."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+import epd_flask
+from epd_flask.control import cli, settings
+from tests.helpers import free_port
+
+pytestmark = pytest.mark.e2e
+
+COMMAND = str(Path(sys.executable).parent / "epd-flask")
+
+
+def epd_flask_cmd(*args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if k not in settings.ENV}
+    return subprocess.run([COMMAND, *args], cwd=cwd, env={**clean, **env},
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_help_lists_every_setting_as_a_flag_with_its_variable_and_default(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The flags are the declarations: every variable but a key is one, shown with its
+    variable and the README's default; keys are named as environment-only."""
+    monkeypatch.setenv("COLUMNS", "1000")  # no wrapping: a line per flag
+    text = cli.build_parser().format_help()
+    for var in settings.ENV.values():
+        if var.secret:
+            assert var.flag is None and var.name in text
+            continue
+        assert var.flag == "--" + var.name.removeprefix("EPD_").lower().replace("_", "-")
+        shown = var.shown_default().replace("`", "") or "unset"
+        entry = text[text.index(f"  {var.flag}"):text.index(f"(env {var.name};")]
+        assert "(env " not in entry, entry
+        assert f"(env {var.name}; default: {shown}" in text, var.name
+    assert "--roster FILE" in text and "--bind HOST:PORT" in text and "--workers N" in text
+    # Where the packaged example roster lies in this installation.
+    assert f"{settings.DEFAULT_ROSTER})" in text
+
+
+def test_version_is_the_package_and_distribution_version(tmp_path: Path) -> None:
+    out = epd_flask_cmd("--version", cwd=tmp_path)
+    assert out.returncode == 0
+    assert out.stdout.strip() == f"epd-flask {epd_flask.__version__}"
+    assert importlib.metadata.version("epd-flask") == epd_flask.__version__
+
+
+@pytest.mark.parametrize(("args", "env", "message"), [
+    (["--bogus"], {}, "unrecognized arguments: --bogus"),
+    (["--workers", "many"], {},
+     "argument --workers: EPD_WORKERS must be a whole number, got 'many'"),
+    (["--admin-api-key=k"], {}, "unrecognized arguments: --admin-api-key=k"),
+    ([], {"EPD_LOG_FORMAT": "xml"}, "EPD_LOG_FORMAT must be one of logfmt, json, got 'xml'"),
+    (["reload", "extra"], {}, "unrecognized arguments: extra"),
+])
+def test_bad_flags_and_values_are_usage_errors(tmp_path: Path, args: list[str],
+                                               env: dict[str, str], message: str) -> None:
+    out = epd_flask_cmd(*args, cwd=tmp_path, **env)
+    assert out.returncode == 2
+    assert f"epd-flask: error: {message}" in out.stderr
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+@pytest.mark.parametrize(("roster", "names"), [
+    (None, ["cannot read roster file"]),
+    ({"instances": [{"role": "decoder", "url": "http://127.0.0.1:9"}]},
+     ["instances[0] (http://127.0.0.1:9) field 'role'"]),
+    ({"settings": {"probe_interval": -1}, "instances": []},
+     ["settings field 'probe_interval'"]),
+    ("instances: [", ["not valid YAML"]),
+])
+def test_a_missing_or_broken_roster_stops_it_before_binding(tmp_path: Path, roster: object,
+                                                            names: list[str]) -> None:
+    path = tmp_path / "roster.yaml"
+    if isinstance(roster, dict):
+        path.write_text(yaml.safe_dump(roster))
+    elif isinstance(roster, str):
+        path.write_text(roster)
+    port = free_port()
+    pidfile = tmp_path / "pid"
+    out = epd_flask_cmd("--roster", str(path), "--bind", f"127.0.0.1:{port}", "--workers", "1",
+                        "--pidfile", str(pidfile), cwd=tmp_path)
+    assert out.returncode == 1
+    assert out.stderr.startswith(f"epd-flask: cannot start: {path}: "), out.stderr
+    for name in names:
+        assert name in out.stderr
+    assert "Traceback" not in out.stderr and "Listening" not in out.stderr
+    assert not pidfile.exists() and _port_is_free(port)
+
+
+def test_reload_with_no_running_server_says_so_and_signals_nothing(tmp_path: Path) -> None:
+    out = epd_flask_cmd("reload", cwd=tmp_path)
+    assert out.returncode == 1 and "no pidfile named" in out.stderr
+    pidfile = tmp_path / "gunicorn.pid"
+    out = epd_flask_cmd("reload", cwd=tmp_path, EPD_PIDFILE=str(pidfile))
+    assert out.returncode == 1
+    assert f"no server running: {pidfile} does not exist" in out.stderr
+    # A stale pidfile: its process has exited.
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    pidfile.write_text(f"{dead.pid}\n")
+    out = epd_flask_cmd("reload", "--pidfile", str(pidfile), cwd=tmp_path)
+    assert out.returncode == 1
+    assert f"no server running: pid {dead.pid} in {pidfile} has exited" in out.stderr
+    # A pid reused by some other process: SIGHUP would kill it, so it is not sent.
+    other = subprocess.Popen(["sleep", "30"])
+    try:
+        pidfile.write_text(f"{other.pid}\n")
+        out = epd_flask_cmd("--pidfile", str(pidfile), "reload", cwd=tmp_path)
+        assert out.returncode == 1 and "is not an epd-flask master" in out.stderr
+        assert other.poll() is None
+    finally:
+        other.kill()
+        other.wait()
