@@ -47,7 +47,7 @@ run: $(STAMP)
 	echo "  curl -N http://127.0.0.1:$(PORT)/v1/chat/completions -H 'Content-Type: application/json' \\"; \
 	echo "    -d '{\"model\": \"tiny-llama\", \"stream\": true, \"max_tokens\": 16, \"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}]}'"; \
 	echo; \
-	PORT=$(PORT) EPD_PIDFILE=$(EPD_PIDFILE) $(BIN)/gunicorn -c etc/gunicorn.conf.py wsgi:app
+	$(BIN)/epd-flask --port $(PORT) --pidfile $(EPD_PIDFILE)
 
 ## test: the whole suite, with gevent patching everything before pytest imports anything
 test: $(STAMP)
@@ -88,26 +88,28 @@ check-roster: $(STAMP)
 ## reload: validate the roster, then ask the running master to re-read it (a roster that
 ## fails validation never reaches the master; if one does, the master logs it and keeps serving)
 reload: check-roster
-	@if [ -s "$(EPD_PIDFILE)" ]; then kill -HUP "$$(cat $(EPD_PIDFILE))" && \
-	    echo "SIGHUP sent to gunicorn master $$(cat $(EPD_PIDFILE))"; \
-	else echo "no $(EPD_PIDFILE): is the proxy running (make run, or EPD_PIDFILE=...)?" >&2; \
-	    exit 1; fi
+	$(BIN)/epd-flask --pidfile $(EPD_PIDFILE) reload
 
-## install-service: as root, install under $(PREFIX) (own virtualenv), roster in $(CONF_DIR),
-## a systemd unit running as $(SERVICE_USER). Re-running upgrades; an existing roster is kept.
+## install-service: as root, build the wheel and install it under $(PREFIX) (own virtualenv;
+## the wheel is kept in $(PREFIX)/wheels), roster in $(CONF_DIR), a systemd unit running
+## `epd-flask` as $(SERVICE_USER). Re-running upgrades; an existing roster is kept.
 install-service:
 	@test "$$(id -u)" = 0 || { echo "install-service: run it as root (sudo make install-service)"; exit 1; }
 	id -u $(SERVICE_USER) >/dev/null 2>&1 || useradd --system --user-group --no-create-home \
 	    --home-dir /nonexistent --shell /usr/sbin/nologin $(SERVICE_USER)
-	install -d -m 0755 $(PREFIX) $(PREFIX)/etc
-	install -m 0644 wsgi.py $(PREFIX)/wsgi.py
-	install -m 0644 etc/gunicorn.conf.py $(PREFIX)/etc/gunicorn.conf.py
+	install -d -m 0755 $(PREFIX)
 	test -x $(PREFIX)/venv/bin/pip || $(PYTHON) -m venv $(PREFIX)/venv
-	$(PREFIX)/venv/bin/pip install --quiet --disable-pip-version-check --upgrade .
+	rm -rf $(PREFIX)/wheels
+	$(PREFIX)/venv/bin/pip wheel --quiet --disable-pip-version-check --no-deps \
+	    -w $(PREFIX)/wheels .
+	$(PREFIX)/venv/bin/pip install --quiet --disable-pip-version-check $(PREFIX)/wheels/*.whl
+	# this very build, also when the version did not change
+	$(PREFIX)/venv/bin/pip install --quiet --disable-pip-version-check --force-reinstall \
+	    --no-deps $(PREFIX)/wheels/*.whl
 	install -d -o $(SERVICE_USER) -g $(SERVICE_USER) -m 0750 $(CONF_DIR)
 	test -e $(CONF_DIR)/roster.yaml || install -o $(SERVICE_USER) -g $(SERVICE_USER) -m 0640 \
 	    etc/roster.yaml $(CONF_DIR)/roster.yaml
-	$(PREFIX)/venv/bin/epd-flask-check-roster $(CONF_DIR)/roster.yaml
+	$(PREFIX)/venv/bin/epd-flask check-roster $(CONF_DIR)/roster.yaml
 	$(MAKE) --no-print-directory service-unit UNIT_OUT=$(UNIT_DIR)/epd-flask.service
 	if [ -d /run/systemd/system ]; then systemctl daemon-reload; fi
 	@echo "installed. Edit $(CONF_DIR)/roster.yaml, then: systemctl enable --now epd-flask"

@@ -57,11 +57,13 @@ def test_service_runs_gunicorn_gracefully_as_an_unprivileged_user() -> None:
     service = unit_file((ETC / "epd-flask.service").read_text())["Service"]
     env = dict(v.split("=", 1) for v in service["Environment"])
     assert service["User"][0] not in ("", "root") and service["Group"][0] not in ("", "root")
-    assert re.search(r"/gunicorn -c \S*/etc/gunicorn\.conf\.py wsgi:app$", service["ExecStart"][0])
+    # The installed wheel's command: it validates the roster, then execs the gunicorn master
+    # with the packaged configuration; nothing is read from a checkout.
+    assert service["ExecStart"] == ["/opt/epd-flask/venv/bin/epd-flask"]
+    assert service["WorkingDirectory"] == ["/opt/epd-flask"]
     # Reload: validate first (a failing ExecReload stops the chain), then SIGHUP the master.
-    assert "epd-flask-check-roster ${EPD_ROSTER}" in service["ExecReload"][0]
+    assert service["ExecReload"][0].endswith("/epd-flask check-roster ${EPD_ROSTER}")
     assert service["ExecReload"][-1] == "/bin/kill -HUP $MAINPID"
-    assert service["ExecStartPre"][0].endswith("epd-flask-check-roster ${EPD_ROSTER}")
     assert service["KillMode"] == ["mixed"] and service["KillSignal"] == ["SIGTERM"]
     assert service["Restart"] == ["on-failure"]
     graceful = int(env["EPD_GRACEFUL_TIMEOUT"])
@@ -85,7 +87,7 @@ def test_installed_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
                     "SERVICE_USER=epd-test", f"UNIT_OUT={unit}"], cwd=ROOT, check=True,
                    timeout=30)
     text = unit.read_text()
-    assert f"ExecStart={prefix}/venv/bin/gunicorn -c {prefix}/etc/gunicorn.conf.py" in text
+    assert f"ExecStart={prefix}/venv/bin/epd-flask\n" in text
     assert "User=epd-test" in text and "/opt/epd-flask" not in text
     result = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True,
                             text=True, timeout=60)
@@ -194,13 +196,13 @@ def test_k8s_pieces_reference_each_other() -> None:
     assert env_of(reloader)["ROSTER_FILE"] == roster_path
 
     # The reloader signals the master whose pid gunicorn writes to a volume both mount.
-    pidfile = app["command"][app["command"].index("--pid") + 1]
+    pidfile = app["command"][app["command"].index("--pidfile") + 1]
     assert env_of(reloader)["PIDFILE"] == pidfile
     shared = {m["name"] for m in app["volumeMounts"] if pidfile.startswith(m["mountPath"] + "/")}
     assert shared & {m["name"] for m in reloader["volumeMounts"]}
     assert spec["shareProcessNamespace"] is True
     assert "runAsUser" in spec["securityContext"]  # one user for both: kill needs no capability
-    assert app["command"][:3] == ["gunicorn", "-c", "/app/etc/gunicorn.conf.py"]
+    assert app["command"][0] == "epd-flask"  # the wheel's command: nothing from a checkout
 
     # Streams get their graceful time before the kubelet's SIGKILL.
     graceful = int(env_of(app)["EPD_GRACEFUL_TIMEOUT"])
