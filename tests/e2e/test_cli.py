@@ -131,3 +131,18 @@ def test_reload_with_no_running_server_says_so_and_signals_nothing(tmp_path: Pat
     finally:
         other.kill()
         other.wait()
+
+
+def test_options_after_the_separator_go_to_gunicorn(tmp_path: Path) -> None:
+    """After `--`, gunicorn's own options: --check-config makes it load the packaged
+    configuration and app, then exit without binding."""
+    roster = tmp_path / "roster.yaml"
+    roster.write_text(yaml.safe_dump({"instances": []}))
+    ok = epd_flask_cmd("--roster", str(roster), "--workers", "1", "--", "--check-config",
+                       cwd=tmp_path)
+    assert ok.returncode == 0, ok.stderr
+    bad = epd_flask_cmd("--roster", str(roster), "--", "--bogus", cwd=tmp_path)
+    assert bad.returncode == 2 and "gunicorn: error: unrecognized arguments: --bogus" \
+        in bad.stderr
+    wrong = epd_flask_cmd("check-roster", str(roster), "--", "--check-config", cwd=tmp_path)
+    assert wrong.returncode == 2 and "are for gunicorn" in wrong.stderr
