@@ -50,9 +50,21 @@ def request_id(client_value: str | None) -> str:
     return uuid.uuid4().hex
 
 
+def new_upstream_id() -> str:
+    """The id one proxied request is known by upstream.
+
+    Never the client's ``X-Request-Id``: instances key state on it (vLLM names the engine's
+    request after it, Mooncake transfers and NIXL handles follow), and a client id is not
+    unique: a library that sends a constant one, a retrying gateway, or a client that has seen
+    another's id would make two requests share that state and read each other's KV.
+    """
+    return uuid.uuid4().hex
+
+
 def upstream_headers(client: Iterable[tuple[str, str]], rid: str,
                      backend_api_key: str | None = None) -> dict[str, str]:
-    """Headers for every upstream call of one request: the allowlist plus our request id.
+    """Headers for every upstream call of one request: the allowlist plus ``rid``, the id
+    it is known by upstream (``new_upstream_id``, never the client's).
 
     With a backend key configured, the client's ``Authorization`` (in any spelling) is dropped
     and ours sent instead: an instance must never see two credentials, nor the client's

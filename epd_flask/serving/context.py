@@ -19,6 +19,7 @@ from datetime import datetime, timezone
 from epd_flask.control.settings import LOG_FORMATS
 from epd_flask.core import events
 from epd_flask.core.errors import ProxyError
+from epd_flask.core.headers import new_upstream_id
 
 logger = logging.getLogger("epd_flask.requests")
 upstream_logger = logging.getLogger("epd_flask.upstream")
@@ -58,9 +59,13 @@ class Leg:
 
 @dataclass
 class RequestContext:
+    #: The client's id (or one made up for it): the response header and the logs carry it.
     request_id: str
     route: str
     upstream_headers: dict[str, str]
+    #: The id instances know this request by: unique per proxied request, whatever the
+    #: client sent (see ``headers.new_upstream_id``); each attempt adds to it (``attempt_id``).
+    upstream_id: str = field(default_factory=new_upstream_id)
     started: float = field(default_factory=time.monotonic)
     timings: dict[str, float] = field(default_factory=dict)
     instances: dict[str, str] = field(default_factory=dict)
@@ -76,6 +81,12 @@ class RequestContext:
     # worker can); without one, a departure is noticed at the first write.
     client_gone: Callable[[], bool] = field(default=lambda: False, repr=False)
     _logged: bool = False
+
+    @property
+    def attempt_id(self) -> str:
+        """The upstream id of the current attempt: a retry never meets state an earlier
+        attempt left on an instance (KV kept for a decode that never pulled it)."""
+        return self.upstream_id if not self.retries else f"{self.upstream_id}-retry{self.retries}"
 
     def mark(self, name: str, since: float) -> None:
         """Record a stage's duration in milliseconds."""
@@ -111,8 +122,9 @@ class RequestContext:
         if SETTINGS.upstream_calls:
             ms = round((time.monotonic() - leg.started) * 1000.0, 3)
             outcome = f"error={_logfmt_value(error.message)}" if error else f"status={status}"
-            upstream_logger.info("request_id=%s stage=%s role=%s instance=%s ms=%s %s",
-                                 self.request_id, stage, leg.role, url, ms, outcome)
+            upstream_logger.info(
+                "request_id=%s upstream_id=%s stage=%s role=%s instance=%s ms=%s %s",
+                self.request_id, self.upstream_id, stage, leg.role, url, ms, outcome)
 
     def finish(self, status: int | None = None, error: str | ProxyError | None = None) -> None:
         """Write the request's single log line and tell the observers, once, whichever path
@@ -145,7 +157,8 @@ class RequestContext:
 
     def _log_fields(self) -> list[tuple[str, object]]:
         fields: list[tuple[str, object]] = [
-            ("request_id", self.request_id), ("route", self.route), ("status", self.status)]
+            ("request_id", self.request_id), ("upstream_id", self.upstream_id),
+            ("route", self.route), ("status", self.status)]
         fields += list(self.instances.items())
         fields += [(f"{k}_ms", v) for k, v in self.timings.items()]
         fields += [("retries", self.retries), ("chunks", self.chunks),
@@ -161,7 +174,8 @@ class RequestContext:
         doc: dict[str, object] = {
             "ts": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
             "pid": os.getpid(),  # which worker: a bare JSON line has no log prefix
-            "request_id": self.request_id, "route": self.route, "status": self.status,
+            "request_id": self.request_id, "upstream_id": self.upstream_id,
+            "route": self.route, "status": self.status,
             "instances": dict(self.instances), "timings_ms": dict(self.timings),
             "retries": self.retries, "chunks": self.chunks, "bytes": self.bytes_out,
         }

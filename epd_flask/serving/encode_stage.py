@@ -119,7 +119,7 @@ class EncodeStage:
     @staticmethod
     def _child_headers(ctx: RequestContext, first_index: int) -> dict[str, str]:
         headers = dict(ctx.upstream_headers)
-        headers[REQUEST_ID_HEADER] = f"{ctx.request_id}:{first_index}:{secrets.token_hex(3)}"
+        headers[REQUEST_ID_HEADER] = f"{ctx.attempt_id}:{first_index}:{secrets.token_hex(3)}"
         return headers
 
 

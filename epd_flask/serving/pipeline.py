@@ -142,7 +142,7 @@ class Pipeline:
                                      ctx)
         # Decode is chosen first: with no decode alive, prefill work would be wasted.
         decode = self.router.pick("decode", exclude=frozenset(ctx.failed))
-        route = self.connector.route(decode, ctx.request_id, ctx.retries, frozenset(ctx.failed))
+        route = self.connector.route(decode, ctx.attempt_id, ctx.retries, frozenset(ctx.failed))
         body = self.encode.run(body, ctx, route.prefill.instance, self.roster.settings).body
         if self.connector.concurrent:
             return self._concurrent_legs(route, path, body, ctx)
@@ -343,6 +343,7 @@ class Pipeline:
               chunk_timeout: float | None = None,
               total_timeout: float | None = None) -> Upstream:
         headers = dict(ctx.upstream_headers)
+        headers[REQUEST_ID_HEADER] = ctx.attempt_id
         headers.update(leg.headers)
         headers["Content-Type"] = "application/json"
         return self._send(target, stage, "POST", target.url + path, ctx, headers=headers,

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from . import control, errors, logprobs, mooncake, pacing, roles, stream, validate, wire
+from . import control, errors, logprobs, mooncake, pacing, roles, stream, textgen, validate, wire
 from .httpio import (
     SSE_HEADERS,
     StartResponse,
@@ -107,7 +107,8 @@ class SimApp:
         entry = self._note(environ, path, body, raw)
         state = self.state
         state.count("completions")
-        state.enter()
+        request_id = environ.get("HTTP_X_REQUEST_ID")
+        state.enter(request_id)
         handed_off = False
         if entry is not None:
             # The status each completion was answered with ("status" in /sim/requests), set
@@ -119,7 +120,7 @@ class SimApp:
             return result
         finally:
             if not handed_off:
-                state.leave()
+                state.leave(request_id)
 
     def profile(self, environ: dict[str, Any], start_response: StartResponse) -> WSGIResult:
         """vLLM's profiler switch: 200 with an empty body, or 404 when no profiler is set up."""
@@ -170,11 +171,15 @@ class SimApp:
         if answer.pull is not None:
             # The decode's own TTFT runs while it waits for the KV: the first token comes at
             # whichever is later, as when a real decode is busy while the prefill computes.
-            outcome, waited = mooncake.pull(answer.pull, sock, cfg.kv_timeout)
-            failed = self._pulled(outcome, sock, start_response)
+            pulled = mooncake.pull(answer.pull, sock, cfg.kv_timeout)
+            failed = self._pulled(pulled.outcome, sock, start_response)
             if failed is not None:
                 return failed
-            ttft = max(0.0, ttft - waited)
+            if pulled.prompt is not None and pulled.prompt != req.prompts[-1]:
+                # Another request's KV: the answer continues that prompt, not this one.
+                state.count("kv_transfers_crossed")
+                answer.pieces = [textgen.generate(pulled.prompt, len(p)) for p in answer.pieces]
+            ttft = max(0.0, ttft - pulled.seconds)
         fp = wire.fingerprint(state.engine_id)
         if req.stream:
             events = stream.plan_events(
@@ -184,7 +189,8 @@ class SimApp:
             drop_after = state.take_drop()
             start_response(status_line(200), list(SSE_HEADERS))
             return stream.StreamBody(events, state, sock, drop_after,
-                                     environ.get("sim.flush_headers"))
+                                     environ.get("sim.flush_headers"),
+                                     environ.get("HTTP_X_REQUEST_ID"))
         steps = max((len(p) for p in answer.pieces), default=0)
         if pacing.wait_or_gone(sock, ttft + cfg.token_delay * max(steps - 1, 0)):
             state.abort(stream=False)

@@ -3,7 +3,9 @@ the engine id is one that server announced, then waits there until the prefill h
 ``transfer_id`` has computed it, as a real decode waits for the KV before its first token.
 
 A proxy that invents an engine id, points at the wrong bootstrap server or hands the two legs
-different transfer ids gets an ``invalid`` or a timed-out pull a test can count. The sim runs
+different transfer ids gets an ``invalid`` or a timed-out pull a test can count; one that gives
+two requests the same transfer id gets a decode that pulls the other prompt's KV and answers
+from it, as a real one does. The sim runs
 without gevent's monkey patching, so the HTTP calls use gevent's own sockets.
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, urlsplit
 
@@ -28,6 +31,14 @@ GONE = "gone"
 POLL_SECONDS = 0.2
 CONNECT_TIMEOUT = 2.0
 TRANSFERS_PATH = "/sim/transfers/"
+
+
+@dataclass(frozen=True)
+class Pulled:
+    outcome: str
+    seconds: float
+    #: The prompt whose KV arrived (``PULLED`` only): another request's if ids collided.
+    prompt: str | None = None
 
 
 def get_json(url: str, timeout: float) -> Any | None:
@@ -58,27 +69,33 @@ def announced_engines(doc: Any) -> set[str]:
             if isinstance(entry, dict) and isinstance(entry.get("engine_id"), str)}
 
 
-def pull(params: dict[str, Any], sock: Any | None, timeout: float) -> tuple[str, float]:
-    """Pull the KV named by Mooncake ``params``; returns the outcome and the seconds it took."""
+def pull(params: dict[str, Any], sock: Any | None, timeout: float) -> Pulled:
+    """Pull the KV named by Mooncake ``params``."""
     started = time.monotonic()
+
+    def end(outcome: str, prompt: str | None = None) -> Pulled:
+        return Pulled(outcome, time.monotonic() - started, prompt)
+
     addr = str(params["remote_bootstrap_addr"]).rstrip("/")
     engine_id = params["remote_engine_id"]
     if engine_id not in announced_engines(get_json(addr + "/query", CONNECT_TIMEOUT)):
-        return INVALID, time.monotonic() - started
+        return end(INVALID)
     url = addr + TRANSFERS_PATH + quote(str(params["transfer_id"]), safe="")
     deadline = started + timeout
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            return TIMED_OUT, time.monotonic() - started
+            return end(TIMED_OUT)
         if sock is not None and pacing.client_gone(sock):
-            return GONE, time.monotonic() - started
+            return end(GONE)
         wait = min(remaining, POLL_SECONDS)
         doc = get_json(f"{url}?wait={wait:.3f}", wait + CONNECT_TIMEOUT)
         if doc is None:
-            return ABORTED, time.monotonic() - started  # the prefill went away mid-wait
+            return end(ABORTED)  # the prefill went away mid-wait
         if doc.get("state") == "ready":
-            outcome = PULLED if doc.get("engine_id") == engine_id else INVALID
-            return outcome, time.monotonic() - started
+            if doc.get("engine_id") != engine_id:
+                return end(INVALID)
+            prompt = doc.get("prompt")
+            return end(PULLED, prompt if isinstance(prompt, str) else None)
         if doc.get("state") == "aborted":
-            return ABORTED, time.monotonic() - started
+            return end(ABORTED)

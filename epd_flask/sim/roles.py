@@ -77,7 +77,8 @@ def _prefill(req: Request, state: SimState, rank: int, request_id: str) -> Answe
         # The router builds the decode's params itself; we only promise KV for its transfer id.
         transfer_id = (req.kv_params or {}).get("transfer_id")
         if isinstance(transfer_id, str) and transfer_id:
-            state.transfers.open(transfer_id, state.rank_engine_ids[rank], rank)
+            state.transfers.open(transfer_id, state.rank_engine_ids[rank], rank,
+                                 req.prompts[-1])
             answer.transfer_id = transfer_id
         return answer
     num_tokens = req.prompt_tokens[-1]  # several prompts: vLLM returns the last one's params

@@ -39,6 +39,8 @@ COUNTERS = (
     "kv_handles_issued",
     "kv_transfers_timed_out",
     "kv_transfers_aborted",
+    "kv_transfers_crossed",
+    "request_ids_reused",
     "prefix_cached_tokens",
     "items_encoded",
     "ec_pushes",
@@ -145,6 +147,7 @@ class SimState:
         self._counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
         self._paths: Counter[str] = Counter()
         self._ranks: Counter[str] = Counter()
+        self._live_ids: Counter[str] = Counter()
         self.last_abort_at: float | None = None
         self.engine_dead = False
         self.profiling = False
@@ -175,13 +178,24 @@ class SimState:
         if self._records.maxlen:
             self._records.append(entry)
 
-    def enter(self) -> None:
+    def enter(self, request_id: str | None = None) -> None:
+        """A completion starts; ``request_id`` is its ``X-Request-Id``, the name real vLLM
+        gives the request inside the engine (a second one in flight under the same name is
+        counted: there, the two share state keyed by it)."""
         self._counters["in_flight"] += 1
         if self._counters["in_flight"] > self._counters["max_in_flight"]:
             self._counters["max_in_flight"] = self._counters["in_flight"]
+        if request_id is not None:
+            if self._live_ids[request_id]:
+                self._counters["request_ids_reused"] += 1
+            self._live_ids[request_id] += 1
 
-    def leave(self) -> None:
+    def leave(self, request_id: str | None = None) -> None:
         self._counters["in_flight"] -= 1
+        if request_id is not None:
+            self._live_ids[request_id] -= 1
+            if self._live_ids[request_id] <= 0:
+                del self._live_ids[request_id]
 
     def abort(self, stream: bool) -> None:
         self._counters["streams_aborted" if stream else "requests_aborted"] += 1

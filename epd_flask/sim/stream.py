@@ -85,8 +85,10 @@ class StreamBody:
     def __init__(
         self, events: list[Event], state: SimState, sock: Any | None,
         drop_after: int | None = None, flush_headers: Callable[[], None] | None = None,
+        request_id: str | None = None,
     ) -> None:
         self._events = events
+        self._request_id = request_id
         self._state = state
         self._sock = sock
         self._drop_after = drop_after
@@ -117,7 +119,7 @@ class StreamBody:
         if self._outcome is not None:
             return
         self._outcome = outcome
-        self._state.leave()
+        self._state.leave(self._request_id)
         if outcome == "completed":
             self._state.count("streams_completed")
         elif outcome == "dropped":

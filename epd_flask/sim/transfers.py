@@ -1,5 +1,9 @@
 """A simulated Mooncake prefill's book of KV transfers: each ``transfer_id`` it was asked to keep
-KV for, on which engine (DP rank), and whether that KV is computed yet.
+KV for, on which engine (DP rank), for which prompt, and whether that KV is computed yet.
+
+Keyed by the id alone, as a real engine's transfer table is: a second request with an id still
+in the book takes the slot over, and a decode pulling that id gets whichever prompt's KV is
+there (with real vLLM and Mooncake, a decode then generates from another request's KV).
 
 Decode may ask before prefill has even seen the request (the proxy starts both legs at once), so
 a waiter can open the slot first; prefill fills it in, and settling it wakes every waiter.
@@ -28,11 +32,13 @@ class Transfer:
     engine_id: str | None = None
     rank: int | None = None
     state: str = UNKNOWN
+    #: The prompt whose KV this transfer holds (the sim's stand-in for the KV blocks).
+    prompt: str | None = None
     settled: Event = field(default_factory=Event, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
         return {"transfer_id": self.transfer_id, "engine_id": self.engine_id,
-                "rank": self.rank, "state": self.state}
+                "rank": self.rank, "state": self.state, "prompt": self.prompt}
 
 
 class TransferBook:
@@ -49,10 +55,11 @@ class TransferBook:
                 old.settled.set()  # nobody waits forever on a forgotten slot
         return slot
 
-    def open(self, transfer_id: str, engine_id: str, rank: int) -> None:
-        """Prefill got a request for ``transfer_id`` and computes its KV on ``engine_id``."""
+    def open(self, transfer_id: str, engine_id: str, rank: int, prompt: str | None = None) -> None:
+        """Prefill got a request for ``transfer_id`` and computes ``prompt``'s KV on
+        ``engine_id``."""
         slot = self._slot(transfer_id)
-        slot.engine_id, slot.rank, slot.state = engine_id, rank, PENDING
+        slot.engine_id, slot.rank, slot.state, slot.prompt = engine_id, rank, PENDING, prompt
 
     def settle(self, transfer_id: str, ok: bool) -> None:
         """The KV is computed (``ok``) or never will be (the request was aborted)."""

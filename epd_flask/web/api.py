@@ -13,7 +13,12 @@ from werkzeug.exceptions import HTTPException
 from epd_flask.control import settings
 from epd_flask.core import cooperate, jsoncodec
 from epd_flask.core.errors import ClientError, NotFound, ProxyError
-from epd_flask.core.headers import REQUEST_ID_HEADER, request_id, upstream_headers
+from epd_flask.core.headers import (
+    REQUEST_ID_HEADER,
+    new_upstream_id,
+    request_id,
+    upstream_headers,
+)
 from epd_flask.serving.context import RequestContext
 from epd_flask.serving.legs import peer_closed
 from epd_flask.serving.pipeline import Reply
@@ -30,14 +35,15 @@ ADMIN_PATH = "/instances"
 
 def _context() -> RequestContext:
     rid = request_id(request.headers.get(REQUEST_ID_HEADER))
+    uid = new_upstream_id()
     svc = services()
-    headers = upstream_headers(request.headers.items(), rid, svc.config.backend_api_key)
+    headers = upstream_headers(request.headers.items(), uid, svc.config.backend_api_key)
     if (svc.keys.enabled and not svc.config.backend_api_key) \
             or edge.is_key(headers.get("Authorization"), svc.config.admin_api_key):
         # The client's bearer was our serving key, or the admin key sent to the wrong path:
         # either stays at the edge.
         headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
-    ctx = RequestContext(rid, request.path, headers)
+    ctx = RequestContext(rid, request.path, headers, upstream_id=uid)
     sock = request.environ.get("gunicorn.socket")
     if sock is not None:
         ctx.client_gone = lambda: peer_closed(sock)

@@ -2,9 +2,11 @@
 mixed load, faults injected one phase at a time, and the bookkeeping that says what happened
 to every request.
 
-Every request carries its own ``X-Request-Id``; the proxy passes it to every leg, so the
-simulators' records (``/sim/requests``, with the status each completion was answered with)
-show how many times a decode ran it. A request ends one of three ways for its client:
+Every request carries its own ``X-Request-Id``; the proxy gives each of its attempts an
+upstream id of its own and logs both (``request_id=... upstream_id=...``), so the simulators'
+records (``/sim/requests``, with the status each completion was answered with), read against
+the gateway's log, show how many times a decode ran it. A request ends one of three ways for
+its client:
 
 - succeeded: a complete answer (a stream ending with ``[DONE]``, or a JSON completion);
 - failed: an OpenAI-shaped error, as the status line or as the stream's last event;
@@ -16,6 +18,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -279,13 +282,24 @@ class Load:
 
 # -- the verdict ----------------------------------------------------------------------------
 
-def decode_runs(records: list[dict[str, Any]]) -> Counter[str]:
-    """Per client request id, how many decode runs produced an answer (status 200)."""
+_LOGGED_IDS = re.compile(r"request_id=(\S+) upstream_id=(\S+)")
+_ATTEMPT = re.compile(r"-retry\d+$")
+
+
+def client_ids(log: str) -> dict[str, str]:
+    """Upstream id to client id, from the gateway's request log lines."""
+    return {m[2]: m[1] for m in _LOGGED_IDS.finditer(log)}
+
+
+def decode_runs(records: list[dict[str, Any]], client_of: dict[str, str]) -> Counter[str]:
+    """Per client request id, how many decode runs produced an answer (status 200); every
+    attempt of one request counts for it."""
     runs: Counter[str] = Counter()
     for r in records:
         rid = (r.get("headers") or {}).get("x-request-id")
         if rid and r.get("path", "").startswith("/v1/") and r.get("status") == 200:
-            runs[rid] += 1
+            base = _ATTEMPT.sub("", rid)
+            runs[client_of.get(base, base)] += 1
     return runs
 
 

@@ -23,6 +23,7 @@ from tests.chaos.harness import (
     Fleet,
     Load,
     Phase,
+    client_ids,
     decode_runs,
     phase_of,
     retry_counters,
@@ -121,11 +122,11 @@ def run(tmp_path: Path, faults: list[Fault], clients: int, hold: float,
         records = []
         for url in fleet.urls("decode"):
             records += fleet.killed_records.get(url, []) + fleet.records(url)
-        runs = decode_runs(records)
+        log = gw.log.read_text(errors="replace") if gw.log else ""
+        runs = decode_runs(records, client_ids(log))
         duplicates = {rid for rid, n in runs.items() if n > 1}
         duplicates |= {o.rid for o in outcomes if len(o.completion_ids) > 1}
         rows = summarize(outcomes, phases, duplicates)
-        log = gw.log.read_text(errors="replace") if gw.log else ""
         names = _names(fleet)
         return {"rows": rows, "table": table(rows, names), "baseline": baseline,
                 "after": after, "outcomes": outcomes, "phases": phases, "log": log,

@@ -95,11 +95,13 @@ def test_mooncake_round_robins_ranks_and_legs_share_one_transfer(mooncake, strea
             assert sse_events(r)[-1] == "[DONE]"
         else:
             assert r.json()["choices"][0]["message"]["content"]
+        assert r.headers["X-Request-Id"] == f"req-{i}"
         pre, dec = p.state.requests(1)[0], d.state.requests(1)[0]
-        assert pre["headers"]["x-request-id"] == dec["headers"]["x-request-id"] == f"req-{i}"
-        assert pre["body"]["kv_transfer_params"]["transfer_id"] == f"xfer-req-{i}"
+        upstream_id = pre["headers"]["x-request-id"]
+        assert dec["headers"]["x-request-id"] == upstream_id != f"req-{i}"
+        assert pre["body"]["kv_transfer_params"]["transfer_id"] == f"xfer-{upstream_id}"
         params = dec["body"]["kv_transfer_params"]
-        assert params["transfer_id"] == f"xfer-req-{i}"
+        assert params["transfer_id"] == f"xfer-{upstream_id}"
         assert params["remote_bootstrap_addr"] == p.bootstrap_url
         rank = int(pre["headers"]["x-data-parallel-rank"])
         assert params["remote_engine_id"] == p.state.rank_engine_ids[rank]

@@ -96,7 +96,10 @@ def test_five_images_and_an_audio_fan_out_to_two_encoders_at_once(sim, proxy, ca
     assert sorted(len(media_parts(c)) for c in completions(e1)) == [1, 2]
     assert all(p["type"] in MEDIA and p["uuid"] for c in calls for p in parts_of(c))
     assert all(c["body"]["stream"] is False and "max_tokens" not in c["body"] for c in calls)
-    assert all(c["headers"]["x-request-id"].startswith("mm-fanout-1:") for c in calls)
+    # Children of the request's upstream id (never the client's), one per call.
+    upstream = d.state.requests(1)[0]["headers"]["x-request-id"]
+    assert all(c["headers"]["x-request-id"].startswith(upstream + ":") for c in calls)
+    assert len({c["headers"]["x-request-id"] for c in calls}) == len(calls)
 
     # All three were in flight together: each lasts at least `fast`, and the last one
     # arrived before the first could have finished.

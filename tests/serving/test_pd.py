@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import re
 import socket
 import time
 
@@ -78,19 +80,28 @@ def test_relayed_bytes_equal_what_decode_sends_directly(sim, proxy) -> None:
     assert any(ord(ch) > 127 for ch in texts[0]), "sim vocabulary should exercise UTF-8"
 
 
-def test_request_id_reaches_every_leg_and_comes_back(sim, proxy) -> None:
+def test_client_request_id_comes_back_and_upstream_gets_our_own(sim, proxy, caplog) -> None:
+    """The client's id is for the client and the logs; instances key state on the id they
+    get, so every proxied request gets a new one that both of its legs share."""
     p, d = sim("prefill"), sim("decode")
     px = proxy(pd_roster([p], [d]))
-    r = requests.post(px.url + "/v1/completions", json=COMPLETION,
-                      headers={"X-Request-Id": "client-abc-1"}, timeout=10)
+    with caplog.at_level(logging.INFO, logger="epd_flask.requests"):
+        r = requests.post(px.url + "/v1/completions", json=COMPLETION,
+                          headers={"X-Request-Id": "client-abc-1"}, timeout=10)
     assert r.headers["X-Request-Id"] == "client-abc-1"
-    assert p.state.requests(1)[0]["headers"]["x-request-id"] == "client-abc-1"
-    assert d.state.requests(1)[0]["headers"]["x-request-id"] == "client-abc-1"
+    upstream = p.state.requests(1)[0]["headers"]["x-request-id"]
+    assert d.state.requests(1)[0]["headers"]["x-request-id"] == upstream
+    assert re.fullmatch(r"[0-9a-f]{32}", upstream)
+    (line,) = [rec.getMessage() for rec in caplog.records if rec.name == "epd_flask.requests"]
+    assert f"request_id=client-abc-1 upstream_id={upstream} " in line
+    again = requests.post(px.url + "/v1/completions", json=COMPLETION,
+                          headers={"X-Request-Id": "client-abc-1"}, timeout=10)
+    assert again.headers["X-Request-Id"] == "client-abc-1"
+    assert p.state.requests(1)[0]["headers"]["x-request-id"] not in (upstream, "client-abc-1")
     generated = requests.post(px.url + "/v1/completions", json=COMPLETION, timeout=10)
     rid = generated.headers["X-Request-Id"]
     assert len(rid) == 32
-    assert d.state.requests(1)[0]["headers"]["x-request-id"] == rid
-    assert p.state.requests(1)[0]["headers"]["x-request-id"] == rid
+    assert d.state.requests(1)[0]["headers"]["x-request-id"] != rid
 
 
 def test_only_allowlisted_headers_are_forwarded(sim, proxy) -> None:

@@ -262,3 +262,29 @@ def test_prefill_allowed_more_tokens_hands_off_them_all(start_sim):
     assert "remote_prefill_cached_tokens" not in params
     assert _decode(d.url, params).status_code == 200
     assert d.state.stats()["kv_handles_valid"] == 1
+
+
+def test_mooncake_transfer_id_shared_by_two_prompts_crosses_answers(start_sim):
+    """A transfer table keyed by id: a second prefill under the same id takes the slot over,
+    and a decode pulling it answers from that prompt's KV, as a real decode would."""
+    p = start_sim(role="prefill", bootstrap_port=0, ttft=0.1)
+    d = start_sim(role="decode")
+    engine = requests.get(p.bootstrap_url + "/query", timeout=5).json()["0"]["engine_id"]
+    prefill_params = {"do_remote_decode": True, "do_remote_prefill": False,
+                      "transfer_id": "xfer-shared"}
+    params = {"do_remote_decode": False, "do_remote_prefill": True, "remote_engine_id": engine,
+              "remote_bootstrap_addr": p.bootstrap_url, "transfer_id": "xfer-shared"}
+
+    def decode(prompt: str) -> str:
+        body = {"prompt": prompt, "max_tokens": 6, "kv_transfer_params": params}
+        return requests.post(d.url + "/v1/completions", json=body,
+                             timeout=5).json()["choices"][0]["text"]
+
+    alone = requests.post(d.url + "/v1/completions", json={"prompt": "other", "max_tokens": 6},
+                          timeout=5).json()["choices"][0]["text"]
+    prefills = [gevent.spawn(_prefill, p.url, prompt=prompt, kv_transfer_params=prefill_params)
+                for prompt in (PROMPT, "other")]
+    crossed = decode(PROMPT)
+    gevent.joinall(prefills, raise_error=True)
+    assert crossed == alone  # the KV it pulled was the other prompt's
+    assert d.state.stats()["kv_transfers_crossed"] == 1

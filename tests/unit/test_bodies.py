@@ -10,7 +10,7 @@ import re
 import pytest
 
 from epd_flask.control.roster import Instance
-from epd_flask.serving.connectors import CONNECTORS, Placement, get_connector, prime_body
+from epd_flask.serving.connectors import CONNECTORS, Placement, Route, get_connector, prime_body
 from epd_flask.serving.connectors.nixl import complete_handles
 
 CHAT = {
@@ -163,10 +163,13 @@ def test_mooncake_legs_meet_on_one_transfer_id() -> None:
     assert decode.body["stream"] is True and decode.body["max_tokens"] == 64
 
 
-def test_mooncake_retry_gets_a_fresh_transfer_id() -> None:
+def test_mooncake_transfer_id_is_the_routes_own_id() -> None:
+    """The route's id is new per attempt (the pipeline's ``attempt_id``), so a retry gets a
+    fresh transfer id without the connector counting attempts."""
     conn, route = route_of("mooncake", attempt=2, rank=0)
-    ids = {conn.prefill_leg(CHAT, route).body["kv_transfer_params"]["transfer_id"],
-           conn.decode_leg(CHAT, route, None).body["kv_transfer_params"]["transfer_id"]}
+    retry = Route(route.prefill, route.decode, "rid-1-retry2", 2)
+    ids = {conn.prefill_leg(CHAT, retry).body["kv_transfer_params"]["transfer_id"],
+           conn.decode_leg(CHAT, retry, None).body["kv_transfer_params"]["transfer_id"]}
     assert ids == {"xfer-rid-1-retry2"}
 
 

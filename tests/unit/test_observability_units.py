@@ -31,7 +31,7 @@ def _default_log_settings():
 
 
 def epd_ctx() -> RequestContext:
-    ctx = RequestContext("rid-1", "/v1/chat/completions", {})
+    ctx = RequestContext("rid-1", "/v1/chat/completions", {}, upstream_id="up-1")
     ctx.instances.update({"encode": "http://e:1", "prefill": "http://p:1", "decode": "http://d:1"})
     ctx.timings.update(FIVE_STAGES)
     ctx.status, ctx.chunks, ctx.bytes_out = 200, 3, 123
@@ -42,7 +42,8 @@ def test_logfmt_line_renders_every_stage_present() -> None:
     line = epd_ctx().log_line()
     for stage, ms in FIVE_STAGES.items():
         assert f" {stage}_ms={ms:g}" in line or f" {stage}_ms={ms}" in line
-    assert line.startswith("request_id=rid-1 route=/v1/chat/completions status=200 ")
+    assert line.startswith(
+        "request_id=rid-1 upstream_id=up-1 route=/v1/chat/completions status=200 ")
     assert "encode=http://e:1 prefill=http://p:1 decode=http://d:1" in line
 
 
@@ -50,6 +51,7 @@ def test_json_line_renders_every_stage_present() -> None:
     context.configure("json")
     doc = json.loads(epd_ctx().log_line())
     assert doc["timings_ms"] == FIVE_STAGES
+    assert (doc["request_id"], doc["upstream_id"]) == ("rid-1", "up-1")
     assert doc["instances"]["encode"] == "http://e:1"
     assert (doc["status"], doc["chunks"], doc["bytes"]) == (200, 3, 123)
 

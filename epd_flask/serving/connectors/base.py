@@ -57,7 +57,7 @@ class Route:
 
     prefill: Placement
     decode: Instance
-    request_id: str  # the id every leg is known by upstream (X-Request-Id)
+    request_id: str  # this attempt's upstream id (X-Request-Id): ours, never the client's
     attempt: int = 0  # 0 for the first try, then 1, 2 ... for retries
 
 

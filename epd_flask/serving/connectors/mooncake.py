@@ -14,9 +14,9 @@ from epd_flask.serving.connectors.base import Body, LegRequest, Route, SplitConn
 
 
 def transfer_id(route: Route) -> str:
-    """``xfer-<request id>``; a retry gets its own id so it never meets a failed try's KV."""
-    base = f"xfer-{route.request_id}"
-    return base if route.attempt == 0 else f"{base}-retry{route.attempt}"
+    """``xfer-<upstream id>``: the route's id is ours and new for every attempt (never the
+    client's), so no two requests, nor a retry and a failed try, share one transfer."""
+    return f"xfer-{route.request_id}"
 
 
 class MooncakeConnector(SplitConnector):
