@@ -1,6 +1,6 @@
 """The life of one upstream connection (docs/behaviour.md#transport): reused while fresh,
 retired before the instance closes it, replayed once on a fresh socket when a reused one turns
-out to be dead.
+out to be dead, and read past interim (1xx) answers to the final one.
 
 urllib3 pool and connection subclasses, used only by ``transport.py``. vLLM (uvicorn) closes
 a keep-alive connection 5 s after its last response (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``); a
@@ -13,6 +13,7 @@ connection: the server never read it, so it never ran.
 from __future__ import annotations
 
 import _socket
+import http.client
 import logging
 import socket
 import ssl
@@ -40,6 +41,37 @@ STALE_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
+#: Interim answers read past before the final one; more is an upstream that never answers.
+MAX_INTERIM_RESPONSES = 16
+
+
+class InterimError(Exception):
+    """The upstream's answer cannot end this exchange: a ``101`` (we never ask for an upgrade,
+    so the connection now speaks something else) or interim answers without end. Not an
+    ``HTTPException``, so urllib3 closes the connection and lets it through unwrapped."""
+
+
+class FinalResponse(http.client.HTTPResponse):
+    """http.client's response, reading past every interim answer (RFC 9110 section 15.2).
+
+    http.client skips only ``100 Continue``: a ``103 Early Hints`` would become the answer, with
+    an empty body, and the connection would go back to the pool with the real answer still
+    coming; the next request on it would read that one as its own.
+    """
+
+    def _read_status(self) -> tuple[str, int, str]:
+        for _ in range(MAX_INTERIM_RESPONSES + 1):
+            version, status, reason = super()._read_status()  # type: ignore[misc]
+            if status == http.client.SWITCHING_PROTOCOLS:
+                raise InterimError("answered 101 Switching Protocols to a request that asked "
+                                   "for no upgrade")
+            if not 100 <= status < 200:
+                return version, status, reason
+            http.client._read_headers(self.fp)  # type: ignore[attr-defined]
+        raise InterimError(f"sent more than {MAX_INTERIM_RESPONSES} interim answers and no "
+                           "final one")
+
+
 @dataclass
 class Lifecycle:
     """Shared by every pool of one transport; counters are for tests and logs."""
@@ -62,6 +94,7 @@ class _ReplayOnStale:
     """Mixin for urllib3 connections: count requests per socket; replay a request once when
     a reused socket dies before the first byte of the answer."""
 
+    response_class = FinalResponse
     _uses = 0
     _replay: tuple[Any, ...] | None = None
     _pending: list[bytes] | None = None

@@ -44,6 +44,7 @@ from epd_flask.core.errors import (
 from epd_flask.core.periodic import Periodic
 from epd_flask.upstream import chunked
 from epd_flask.upstream.pools import (
+    InterimError,
     Lifecycle,
     RetiringHTTPConnectionPool,
     RetiringHTTPSConnectionPool,
@@ -258,6 +259,8 @@ class Transport:
         if isinstance(exc, SSLError):
             return BackendUnavailable(
                 f"{name} failed TLS verification: {_reason(exc)}", **kw)
+        if isinstance(exc, InterimError):
+            return BackendError(f"{name} {_reason(exc)}", **kw)
         if isinstance(exc, (ProtocolError, OSError)):
             return BackendUnavailable(f"{name} is unreachable: {_reason(exc)}", **kw)
         if isinstance(exc, (HTTPError, http.client.HTTPException, ValueError)):

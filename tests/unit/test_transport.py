@@ -266,3 +266,67 @@ def test_a_large_body_arrives_whole(server) -> None:
                           body=body, read_timeout=5)
     assert transport.read_body(resp, "decode") == b"ok"
     assert received == [body]
+
+
+# -- interim (1xx) answers ------------------------------------------------------------------
+
+def interim_then_final(interim: bytes, pause: float = 0.05) -> tuple[Handler, list[int]]:
+    """Answers every request on a connection with ``interim``, then (``pause`` later, as a
+    server that hints early and answers when done) ``200 answer-<n>``; ``n`` counts requests
+    across connections, and the list counts connections."""
+    count = iter(range(1, 1000))
+    connections: list[int] = []
+
+    def handle(conn: socket.socket) -> None:
+        connections.append(1)
+        while _read_request(conn):
+            body = b"answer-%d" % next(count)
+            conn.sendall(interim)
+            gevent.sleep(pause)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    return handle, connections
+
+
+EARLY_HINTS = b"HTTP/1.1 103 Early Hints\r\nLink: </style.css>; rel=preload\r\n\r\n"
+
+
+@pytest.mark.parametrize("interim", [
+    EARLY_HINTS,
+    EARLY_HINTS + EARLY_HINTS,
+    b"HTTP/1.1 100 Continue\r\n\r\n" + b"HTTP/1.1 102 Processing\r\n\r\n",
+])
+def test_interim_answers_are_skipped_and_each_request_reads_its_own_answer(
+        server, interim: bytes) -> None:
+    handle, connections = interim_then_final(interim)
+    url = server(handle)
+    transport = Transport()
+    for n in (1, 2, 3):
+        resp = send(transport, url)
+        assert resp.status_code == 200
+        assert transport.read_body(resp, "decode") == b"answer-%d" % n
+    assert len(connections) == 1  # each exchange ended cleanly, so the connection was reused
+    transport.close()
+
+
+def test_a_101_is_a_failed_exchange_and_its_connection_is_never_reused(server) -> None:
+    handle, connections = interim_then_final(
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n")
+    url = server(handle)
+    transport = Transport()
+    for n in (1, 2):
+        with pytest.raises(errors.BackendError) as failed:
+            send(transport, url)
+        assert failed.value.status == 502 and not failed.value.retryable
+        assert "101 Switching Protocols" in failed.value.message
+        assert len(connections) == n  # the next request never read this one's 200
+    transport.close()
+
+
+def test_endless_interim_answers_fail_the_exchange(server) -> None:
+    url = server(answer(EARLY_HINTS * 40, then_wait=1))
+    transport = Transport()
+    with pytest.raises(errors.BackendError) as failed:
+        send(transport, url)
+    assert "interim answers" in failed.value.message
+    transport.close()
