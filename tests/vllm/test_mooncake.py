@@ -15,7 +15,14 @@ import pytest
 import requests
 
 from epd_flask.serving.connectors import CONNECTORS
-from tests.vllm.checks import chat_body, completion_body, kv_delta, post, unique_prompt
+from tests.vllm.checks import (
+    chat_body,
+    completion_body,
+    kv_delta,
+    post,
+    same_id_rounds,
+    unique_prompt,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -94,3 +101,14 @@ def test_proxy_mooncake_pulls_kv(pd, proxy, path, stream):
     assert pulled.external == usage["prompt_tokens"] and pulled.local == 0, pulled
     plain = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
     assert reply.text == post(pd.prefill.url, path, plain).text
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_same_id_concurrent_requests_get_their_solo_answers(pd, proxy, path):
+    """Two clients sending one X-Request-Id at once: each gets the answer its prompt gets
+    alone (with the client's id as transfer id, decode read the other's KV)."""
+    rounds = same_id_rounds(proxy.url, path, f"mooncake{path}")
+    print(f"\nmooncake {path}: {sum(s == t for s, t in rounds)} of {len(rounds)} rounds exact")
+    for solo, together in rounds:
+        assert together == solo
+

@@ -10,6 +10,7 @@ from tests.vllm.checks import (
     completion_body,
     kv_delta,
     post,
+    same_id_rounds,
     unique_prompt,
 )
 
@@ -76,3 +77,14 @@ def test_prefill_only_primed_the_kv(pd):
     after = pd.prefill.metrics()
     generated = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
     assert generated == 1
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_same_id_concurrent_requests_get_their_solo_answers(pd, path):
+    """Two clients sending one X-Request-Id at once: each gets the answer its prompt gets
+    alone (vLLM names its engine request, and NIXL its handles, after the id it is sent)."""
+    rounds = same_id_rounds(pd.proxy.url, path, f"nixl{path}")
+    print(f"\nnixl {path}: {sum(s == t for s, t in rounds)} of {len(rounds)} rounds exact")
+    for solo, together in rounds:
+        assert together == solo
+
