@@ -259,8 +259,8 @@ class Transport:
         if isinstance(exc, SSLError):
             return BackendUnavailable(
                 f"{name} failed TLS verification: {_reason(exc)}", **kw)
-        if isinstance(exc, InterimError):
-            return BackendError(f"{name} {_reason(exc)}", **kw)
+        if isinstance(exc, InterimError):  # our own words: no address in them
+            return BackendError(f"{name} {exc}", **kw)
         if isinstance(exc, (ProtocolError, OSError)):
             return BackendUnavailable(f"{name} is unreachable: {_reason(exc)}", **kw)
         if isinstance(exc, (HTTPError, http.client.HTTPException, ValueError)):
