@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import gevent
 import pytest
@@ -267,7 +268,7 @@ def test_prefill_allowed_more_tokens_hands_off_them_all(start_sim):
 def test_mooncake_transfer_id_shared_by_two_prompts_crosses_answers(start_sim):
     """A transfer table keyed by id: a second prefill under the same id takes the slot over,
     and a decode pulling it answers from that prompt's KV, as a real decode would."""
-    p = start_sim(role="prefill", bootstrap_port=0, ttft=0.1)
+    p = start_sim(role="prefill", bootstrap_port=0, ttft=0.5)
     d = start_sim(role="decode")
     engine = requests.get(p.bootstrap_url + "/query", timeout=5).json()["0"]["engine_id"]
     prefill_params = {"do_remote_decode": True, "do_remote_prefill": False,
@@ -284,6 +285,9 @@ def test_mooncake_transfer_id_shared_by_two_prompts_crosses_answers(start_sim):
                           timeout=5).json()["choices"][0]["text"]
     prefills = [gevent.spawn(_prefill, p.url, prompt=prompt, kv_transfer_params=prefill_params)
                 for prompt in (PROMPT, "other")]
+    deadline = time.monotonic() + 5
+    while p.state.stats()["in_flight"] < 2 and time.monotonic() < deadline:
+        gevent.sleep(0.01)
     crossed = decode(PROMPT)
     gevent.joinall(prefills, raise_error=True)
     assert crossed == alone  # the KV it pulled was the other prompt's
