@@ -107,6 +107,11 @@ IN_FLIGHT_LIMIT = Gauge(
 REFUSED = Counter("epd_requests_refused_total", "Client requests refused before they started, "
                   "by reason (overloaded: the worker was at its in-flight cap).", ["reason"],
                   registry=_REGISTRY)
+# Series an alert takes increase() of exist from the start at 0: a counter that first appears
+# already at 1 shows no increase to Prometheus, and its first event would never alert.
+REFUSED.labels("overloaded")
+RELOADS.labels("ok")
+RELOADS.labels("rejected")
 ENDED_BY_SHUTDOWN = Counter(
     "epd_requests_ended_by_shutdown_total", "Requests a stopping worker ended (with an "
     "in-band error, or a 503) because they outlived its grace period.", registry=_REGISTRY)

@@ -124,6 +124,16 @@ def test_in_flight_follows_an_open_stream(sim, proxy) -> None:
                                    instance=d.url) == 0)
 
 
+def test_counters_that_alerts_watch_are_exported_before_their_first_event(sim, proxy) -> None:
+    """Prometheus sees no increase in a counter whose first sample is already 1, so the
+    first refusal or rejected reload would never alert (etc/prometheus/epd-flask.rules.yml)."""
+    px = proxy(pd_roster([sim("prefill")], [sim("decode")]))
+    names = {(name, dict(labels).get("reason") or dict(labels).get("result"))
+             for name, labels in scrape(px.url)}
+    assert {("epd_requests_refused_total", "overloaded"), ("epd_roster_reloads_total", "ok"),
+            ("epd_roster_reloads_total", "rejected")} <= names
+
+
 def test_probe_failures_evictions_rejoins_and_live_gauges(sim, proxy) -> None:
     p, d1, d2 = sim("prefill"), sim("decode"), sim("decode")
     px = proxy(pd_roster([p], [d1, d2], probe_interval=0.05, fail_threshold=2), probes=True)

@@ -1,0 +1,103 @@
+"""The shipped rules and dashboard against a real Prometheus (Debian's package) scraping real
+gunicorn every second: after a short load with retries, refusals, failures and an eviction,
+every recording rule and every dashboard query has data, and the alerts see the eviction and
+the shedding under the labels a real scrape gives them."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import gevent.pool
+import pytest
+import requests
+
+from tests import prometheus as prom
+from tests.helpers import pd_roster
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.prometheus,
+    pytest.mark.skipif(prom.binary("prometheus") is None and not prom.REQUIRED,
+                       reason="prometheus is not installed (Debian: apt-get install prometheus; "
+                       ".ci/run installs it)"),
+]
+
+JOB = "epd-flask"
+DATA_TIMEOUT = 20.0
+CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "tell me a story"}],
+        "max_tokens": 8, "temperature": 0}
+
+
+def send(base: str, job: tuple[str, dict]) -> int:
+    path, body = job
+    r = requests.post(base + path, json=body, timeout=30)
+    r.content  # noqa: B018 - read to the end: the request is over only then
+    return r.status_code
+
+
+def wait_for(what: str, check, timeout: float = DATA_TIMEOUT):
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result or time.monotonic() > deadline:
+            assert result, f"no {what} after {timeout} s"
+            return result
+        time.sleep(0.25)
+
+
+def test_every_recording_rule_and_dashboard_query_has_data(procs, tmp_path: Path) -> None:
+    started = time.monotonic()
+    p = procs["sim"]("prefill")
+    d1 = procs["sim"]("decode", "--token-delay-ms", "20", "--output-tokens", "8")
+    d2 = procs["sim"]("decode", "--token-delay-ms", "20", "--output-tokens", "8")
+    roster = pd_roster([p], [d1, d2], decode_retries=1, probe_interval=1, fail_threshold=1)
+    gw = procs["gunicorn"](roster, workers=1, env={"EPD_MAX_IN_FLIGHT": "4"})
+    server = prom.Prometheus(tmp_path / "prometheus", gw.url.removeprefix("http://"))
+    try:
+        # Scraped before the load, so rates and quantiles cover it.
+        wait_for("scrape", lambda: server.query(f'up{{job="{JOB}"}} == 1'))
+
+        d1.control("faults", fail_next=2)  # two decode failures, retried on the other decode
+        jobs = [("/v1/chat/completions", {**CHAT, "stream": True})] * 24
+        jobs += [("/v1/completions", {"model": "tiny-llama", "prompt": "hi", "max_tokens": 4})] * 8
+        statuses = gevent.pool.Pool(3).map(lambda job: send(gw.url, job), jobs)
+        assert statuses == [200] * len(jobs)
+        burst = gevent.pool.Pool(12).map(lambda job: send(gw.url, job), jobs[:12])
+        assert 503 in burst, burst  # past EPD_MAX_IN_FLIGHT: shed
+        for d in (d1, d2):  # both decodes fail: the retry fails too, the client gets a 5xx
+            d.control("faults", fail_next=1)
+        assert send(gw.url, jobs[0]) >= 500
+        d2.control("faults", health_fail=True)  # evicted at its next probe
+
+        for name in sorted(prom.recorded_names()):
+            wait_for(f"data for recording rule {name}",
+                     lambda name=name: server.query(f'{name}{{job="{JOB}"}}'))
+        for title, expr in prom.dashboard_queries(JOB):
+            wait_for(f"data for dashboard panel {title!r}: {expr}",
+                     lambda expr=expr: server.query(expr))
+
+        # The numbers mean what they say.
+        [chat] = server.query(f'job_route:epd_request_first_byte_seconds:quantile5m{{job="{JOB}",'
+                              f'route="/v1/chat/completions",quantile="0.99"}}')
+        assert 0 < float(chat["value"][1]) < 5
+        [shed] = server.query(f'job_instance:epd_requests_refused:ratio_rate5m{{job="{JOB}"}}')
+        assert 0 < float(shed["value"][1]) < 1
+        [retried] = server.query(f'sum(epd_retries_total{{job="{JOB}",stage="decode"}})')
+        assert float(retried["value"][1]) >= 2
+
+        # The alerts match real series: pending until their `for` has passed.
+        def pending() -> dict[str, list[dict[str, str]]]:
+            alerts: dict[str, list[dict[str, str]]] = {}
+            for alert in server.api("alerts")["alerts"]:
+                alerts.setdefault(alert["labels"]["alertname"], []).append(alert["labels"])
+            return alerts if "EPDInstanceEvicted" in alerts else {}
+        alerts = wait_for("EPDInstanceEvicted alert", pending)
+        assert [(a["role"], a["exported_instance"]) for a in alerts["EPDInstanceEvicted"]] == [
+            ("decode", d2.url)]
+        assert "EPDOverloadShedding" in alerts
+        assert "EPDNotReady" not in alerts and "EPDProxyDown" not in alerts
+    finally:
+        server.stop()
+    assert server.proc.returncode is not None
+    assert time.monotonic() - started < 45  # generous: typically ~10 s on 2 cores

@@ -1,0 +1,136 @@
+"""The shipped Prometheus rules and Grafana dashboard as tests read them, and a real Prometheus
+server (Debian's package) started on a free loopback port from the shipped prometheus.yml.
+
+The dashboard's queries are taken from its JSON as Grafana would send them: the only template
+variable they use, ``$job``, is replaced by the job being tested.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import requests
+import yaml
+
+from tests.helpers import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMETHEUS_DIR = ROOT / "etc" / "prometheus"
+RULES = PROMETHEUS_DIR / "epd-flask.rules.yml"
+SHIPPED_CONFIG = PROMETHEUS_DIR / "prometheus.yml"
+RULE_TESTS = sorted((PROMETHEUS_DIR / "tests").glob("*.yml"))
+DASHBOARD = ROOT / "etc" / "grafana" / "epd-flask.json"
+SEARCH_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/bin", "/usr/local/bin"])
+START_TIMEOUT = 15.0
+# In CI (.ci/run installs Debian's prometheus) a missing binary fails instead of skipping.
+REQUIRED = os.environ.get("CI") == "true"
+# A metric name of the proxy (not a recording rule's name, which has colons).
+METRIC_NAME = re.compile(r"(?<![\w:])epd_[a-z_]+(?![\w:])")
+RECORDED_NAME = re.compile(r"\b[a-z_]+:epd_[a-z_]+:[a-z0-9_]+\b")
+
+
+def binary(name: str) -> str | None:
+    return shutil.which(name, path=SEARCH_PATH)
+
+
+def rules() -> list[dict[str, Any]]:
+    return [rule for group in yaml.safe_load(RULES.read_text())["groups"]
+            for rule in group["rules"]]
+
+
+def recorded_names() -> set[str]:
+    return {rule["record"] for rule in rules() if "record" in rule}
+
+
+def dashboard() -> dict[str, Any]:
+    return json.loads(DASHBOARD.read_text())
+
+
+def dashboard_panels() -> list[dict[str, Any]]:
+    return [p for p in dashboard()["panels"] if p.get("type") != "row"]
+
+
+def dashboard_queries(job: str) -> list[tuple[str, str]]:
+    """(panel title, PromQL) of every dashboard target, as Grafana would query for ``job``."""
+    return [(panel["title"], target["expr"].replace("$job", job))
+            for panel in dashboard_panels() for target in panel["targets"]]
+
+
+def derive_config(shipped: str, target: str, rules_file: Path, interval: str) -> str:
+    """The shipped prometheus.yml scraping ``target`` with the given intervals: everything
+    else (job name, rule file, label handling) is the operator's file."""
+    config = yaml.safe_load(shipped)
+    config["global"]["scrape_interval"] = interval
+    config["global"]["evaluation_interval"] = interval
+    assert config["rule_files"] == [RULES.name], "prometheus.yml should load the shipped rules"
+    config["rule_files"] = [str(rules_file)]
+    [job] = config["scrape_configs"]
+    job["static_configs"] = [{"targets": [target]}]
+    return yaml.safe_dump(config)
+
+
+class Prometheus:
+    """One Prometheus server in its own process group, its data under ``workdir``."""
+
+    def __init__(self, workdir: Path, target: str, interval: str = "1s") -> None:
+        exe = binary("prometheus")
+        assert exe, "prometheus is not installed, and CI=true requires the tests that use it"
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.config = workdir / "prometheus.yml"
+        self.config.write_text(derive_config(SHIPPED_CONFIG.read_text(), target, RULES,
+                                             interval))
+        self.log_path = workdir / "prometheus.log"
+        self.log = open(self.log_path, "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [exe, f"--config.file={self.config}", f"--storage.tsdb.path={workdir / 'data'}",
+             f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
+            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self._wait_ready()
+
+    def tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-3000:]
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"prometheus exited early: {self.tail()}")
+            with contextlib.suppress(requests.RequestException):
+                if requests.get(self.url + "/-/ready", timeout=1).status_code == 200:
+                    return
+            time.sleep(0.1)
+        raise RuntimeError(f"prometheus not ready after {START_TIMEOUT} s: {self.tail()}")
+
+    def api(self, path: str, **params: str) -> Any:
+        r = requests.get(self.url + "/api/v1/" + path, params=params, timeout=10)
+        doc = r.json()
+        assert doc["status"] == "success", doc
+        return doc["data"]
+
+    def query(self, promql: str) -> list[dict[str, Any]]:
+        """The instant vector ``promql`` returns now (its samples with a number, not NaN)."""
+        return [s for s in self.api("query", query=promql)["result"]
+                if not math.isnan(float(s["value"][1]))]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        self.log.close()
