@@ -297,6 +297,10 @@ class History:
             self._samples.popleft()
         return snap
 
+    def samples(self) -> list[Snapshot]:
+        """The kept samples, oldest first (the status page's plots)."""
+        return list(self._samples)
+
     def baseline(self, now: Snapshot) -> Snapshot | None:
         """The oldest kept sample within the window before ``now`` (None: nothing older)."""
         for snap in self._samples:

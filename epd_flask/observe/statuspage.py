@@ -1,5 +1,6 @@
 """The ``/status`` page: what it shows, computed from two metric snapshots (now and a few
-minutes ago, the same samples ``/metrics`` exposes), and its HTML.
+minutes ago, the same samples ``/metrics`` exposes) and, for its plots, from every sample the
+worker kept in between; and its HTML.
 
 Plain HTML with inline style and no external assets, laid out as headings and tables so it
 reads in a terminal browser (w3m, lynx) too; state is written out in words, not only colours.
@@ -8,17 +9,23 @@ reads in a terminal browser (w3m, lynx) too; state is written out in words, not 
 from __future__ import annotations
 
 import html
+import itertools
 import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from epd_flask import __version__
 from epd_flask.control.roster import ROLES
 from epd_flask.core.events import FleetEntry
-from epd_flask.observe.metrics import Snapshot
+from epd_flask.observe import plots
+from epd_flask.observe.metrics import STATUS_WINDOW_SECONDS, Snapshot
 
 STAGE_ORDER = ("encode", "rewrite", "prefill", "decode_first_byte")
 REFRESH_SECONDS = 5
+# The current snapshot is plotted after the newest kept sample only if it is at least this much
+# newer: a rate over a fraction of a second is noise.
+MIN_STEP_SECONDS = 2.0
 
 Rows = list[tuple[dict[str, str], float]]
 
@@ -102,6 +109,7 @@ class Status:
     latencies: list[Latency]
     chunks: float
     counters: list[tuple[str, list[tuple[str, float]]]]
+    charts: list[plots.Chart] = field(default_factory=list)
     generated: float = field(default_factory=time.time)
     pid: int = field(default_factory=os.getpid)
 
@@ -133,9 +141,44 @@ def _latency(name: str, cumulative: list[tuple[float, float]]) -> Latency:
     return Latency(name, count, quantile(0.5, cumulative), quantile(0.99, cumulative))
 
 
+def charts(samples: Sequence[Snapshot], now: Snapshot, fleet: Sequence[FleetEntry],
+           span: float = STATUS_WINDOW_SECONDS) -> list[plots.Chart]:
+    """Requests/s, 5xx ratio, time to first byte (p50, p99) and upstream calls in flight per
+    instance, one point per sampling interval over the last ``span`` seconds."""
+    points = [s for s in samples if s is not now and 0 < now.taken - s.taken <= span]
+    if not points or now.taken - points[-1].taken >= MIN_STEP_SECONDS:
+        points.append(now)
+    rate: list[plots.Point] = []
+    errors: list[plots.Point] = []
+    p50: list[plots.Point] = []
+    p99: list[plots.Point] = []
+    for then, snap in itertools.pairwise(points):
+        at, seconds = snap.taken - now.taken, snap.taken - then.taken
+        answered = delta(snap, then, "epd_requests_total")
+        total = sum(n for _, n in answered)
+        failed = sum(n for labels, n in answered if labels.get("status", "").startswith("5"))
+        rate.append((at, total / seconds if seconds > 0 else None))
+        errors.append((at, failed / total if total else None))
+        ttfb = buckets(delta(snap, then, "epd_request_first_byte_seconds_bucket"), []).get((), [])
+        p50.append((at, quantile(0.5, ttfb)))
+        p99.append((at, quantile(0.99, ttfb)))
+    in_flight = []
+    for e in sorted(fleet, key=lambda e: (_role_rank(e.role), e.url)):
+        values = [(snap.taken - now.taken, summed(list(snap.series("epd_upstream_in_flight")),
+                                                  ["instance"]).get((e.url,), 0.0))
+                  for snap in points]
+        in_flight.append(plots.Line(f"{e.role} {e.url}", values))
+    return [plots.Chart("Requests per second", "/s", span, [plots.Line("answered", rate)]),
+            plots.Chart("5xx ratio", "ratio", span, [plots.Line("5xx / answered", errors)]),
+            plots.Chart("Time to first byte", "seconds", span,
+                        [plots.Line("p50", p50), plots.Line("p99", p99)]),
+            plots.Chart("Upstream calls in flight", "", span, in_flight)]
+
+
 def build(now: Snapshot, then: Snapshot | None, fleet: Sequence[FleetEntry],
-          ready: str) -> Status:
-    """The page's content from the newest snapshot, an older one and this worker's roster."""
+          ready: str, samples: Sequence[Snapshot] = ()) -> Status:
+    """The page's content from the newest snapshot, an older one, this worker's roster and
+    (for the plots) the samples kept between them."""
     gauge = {name: summed(list(now.series(name)), ["instance"]) for name in (
         "epd_instance_live", "epd_instance_last_probe_ok",
         "epd_instance_last_probe_latency_seconds", "epd_instance_last_probe_timestamp_seconds",
@@ -172,7 +215,8 @@ def build(now: Snapshot, then: Snapshot | None, fleet: Sequence[FleetEntry],
         counters.append((title, items))
     chunks = sum(n for _, n in delta(now, then, "epd_streamed_chunks_total"))
     window = None if then is None else now.taken - then.taken
-    return Status(window, ready, rows, requests, _latencies(now, then), chunks, counters)
+    return Status(window, ready, rows, requests, _latencies(now, then), chunks, counters,
+                  charts(samples, now, fleet))
 
 
 def _role_rank(role: str) -> int:
@@ -188,6 +232,8 @@ th,td{border:1px solid #bbb;padding:.15em .6em;text-align:right}
 th{background:#eee}td.l,th.l{text-align:left}
 .live{color:#060;font-weight:bold}.evicted{color:#b00;font-weight:bold}
 .sub td.l{padding-left:1.5em;color:#444}
+.chart{display:inline-block;vertical-align:top;margin:0 1.5em 1em 0}
+.chart p{margin:.2em 0;font-size:90%}
 """
 
 
@@ -203,10 +249,15 @@ def render(status: Status) -> str:
         f"<meta http-equiv=\"refresh\" content=\"{REFRESH_SECONDS}\">",
         f"<title>epd-flask status</title><style>{STYLE}</style></head><body>",
         "<h1>epd-flask status</h1>",
-        f"<p>Generated {e(when)} by worker {status.pid}. Ready: <b>{e(status.ready)}</b>. "
+        f"<p>epd-flask {e(__version__)}. Generated {e(when)} by worker {status.pid}. "
+        f"Ready: <b>{e(status.ready)}</b>. "
         f"Counts and rates are {e(span)}, summed over all workers.</p>",
-        "<h2>Instances</h2>",
     ]
+    if status.charts:
+        out.append("<h2>Last minutes</h2>")
+        out.extend(f'<div class="chart"><h3>{e(chart.title)}</h3>{plots.svg(chart)}'
+                   f"<p>{plots.legend(chart)}</p></div>" for chart in status.charts)
+    out.append("<h2>Instances</h2>")
     roles = []
     for row in status.instances:
         if row.role not in roles:

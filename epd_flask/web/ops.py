@@ -34,7 +34,8 @@ def status_page() -> Response:
     now = metrics.snapshot()
     ok, reason = svc.pipeline.ready()
     fleet = [FleetEntry(s.instance.role, s.instance.url, s.live) for s in svc.registry.states()]
-    page = statuspage.build(now, svc.history.baseline(now), fleet, "yes" if ok else reason)
+    page = statuspage.build(now, svc.history.baseline(now), fleet, "yes" if ok else reason,
+                            svc.history.samples())
     return Response(statuspage.render(page), status=200, content_type="text/html; charset=utf-8",
                     headers={"Cache-Control": "no-store"})
 

@@ -11,6 +11,7 @@ import json
 import logging
 import re
 import time
+from xml.etree import ElementTree
 
 import gevent
 import pytest
@@ -22,6 +23,7 @@ CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "tell me
         "max_tokens": 8, "temperature": 0}
 COMPLETION = {"model": "tiny-llama", "prompt": "hello world", "max_tokens": 6}
 H = "epd_stage_duration_seconds_count"
+SVG = "{http://www.w3.org/2000/svg}"
 
 
 def diff(after, before, name, **labels) -> float:
@@ -194,6 +196,76 @@ def test_status_page_shows_roster_state_and_stage_percentiles(sim, proxy) -> Non
         row = re.search(rf"{re.escape(stage)}\s+(\d+)\s+\S+\s+([\d.]+) ms\s+([\d.]+) ms", text)
         assert row and int(row.group(1)) >= 4, stage
     assert "over the last" in text
+
+
+def svg_charts(page: str) -> dict[str, ElementTree.Element]:
+    """Every inline chart of the status page, parsed as XML (so it is well-formed), by title."""
+    out = {}
+    for markup in re.findall(r"<svg\b.*?</svg>", page, re.S):
+        svg = ElementTree.fromstring(markup)
+        out[svg.findtext(f"{SVG}title")] = svg
+    return out
+
+
+def plotted(svg: ElementTree.Element) -> list[list[tuple[float, float]]]:
+    """Each drawn line's points, in SVG coordinates (a lone point is a circle)."""
+    lines = [[tuple(map(float, xy.split(","))) for xy in line.get("points").split()]
+             for line in svg.iter(f"{SVG}polyline")]
+    lines += [[(float(c.get("cx")), float(c.get("cy")))] for c in svg.iter(f"{SVG}circle")]
+    return lines
+
+
+def test_status_page_plots_the_last_minutes_as_inline_svg(sim, proxy) -> None:
+    p = sim("prefill")
+    d1, d2 = (sim("decode", token_delay=0.02, output_tokens=300) for _ in range(2))
+    px = proxy(pd_roster([p], [d1, d2], decode_retries=0))
+    history = px.services.history
+    history.sample()
+    for _ in range(4):
+        assert requests.post(px.url + "/v1/chat/completions", json=CHAT, timeout=10).ok
+    history.sample()
+    d2.state.inject(fail_next=1)
+    codes = [requests.post(px.url + "/v1/chat/completions", json=CHAT, timeout=10).status_code
+             for _ in range(4)]
+    assert sorted(codes) == [200, 200, 200, 500]
+    streams = [RawStream(px.url, "/v1/chat/completions", {**CHAT, "max_tokens": 300,
+                                                          "stream": True}) for _ in range(2)]
+    for stream in streams:
+        stream.first_event()  # one on each decode, both still running at the next sample
+    history.sample()
+    for stream in streams:
+        stream.hang_up()
+
+    page = requests.get(px.url + "/status", timeout=10).text
+    for asset in ("<script", "<link", "src=", "@import", "url("):
+        assert asset not in page
+    charts = svg_charts(page)
+    assert list(charts) == ["Requests per second", "5xx ratio", "Time to first byte",
+                            "Upstream calls in flight"]
+    for title, svg in charts.items():
+        assert svg.get("viewBox") and plotted(svg), title
+    # Two intervals with traffic: two points per line, above the axis (y = 88) where the
+    # interval had requests, errors or a first byte; the 5xx ratio is 0 then 1 in 4 (other
+    # tests' requests finishing late may be counted too: metrics are process-wide).
+    [rate] = plotted(charts["Requests per second"])
+    assert len(rate) == 2 and all(y < 88 for _, y in rate)
+    [ratio] = plotted(charts["5xx ratio"])
+    assert ratio[0][1] > ratio[1][1]
+    shares = re.fullmatch(r"5xx / answered: ([\d.]+) %, ([\d.]+) %",
+                          charts["5xx ratio"].findtext(f"{SVG}desc"))
+    assert shares and float(shares.group(1)) < float(shares.group(2)) <= 25
+    p50, p99 = plotted(charts["Time to first byte"])
+    assert len(p50) == len(p99) == 2
+    assert all(hi[1] <= lo[1] < 88 for lo, hi in zip(p50, p99, strict=True))  # y grows down
+    # Upstream calls in flight per instance at each sample: the two streams' decodes had one
+    # each at the last sample, the prefill none.
+    desc = charts["Upstream calls in flight"].findtext(f"{SVG}desc")
+    assert f"prefill {p.url}: 0, 0, 0" in desc
+    for d in (d1, d2):
+        assert f"decode {d.url}: 0, 0, 1" in desc
+    text = re.sub(r"<[^>]+>", " ", page)  # the legends, for a terminal browser
+    assert re.search(r"answered: [\d.]+/s now, [\d.]+/s max", text)
+    assert re.search(rf"5xx / answered: {shares.group(2)} % now", text)
 
 
 def test_one_log_line_per_request_with_instances_and_stage_timings(

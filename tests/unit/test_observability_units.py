@@ -1,5 +1,5 @@
-"""Pure pieces of observability: the request log line, percentile math, settings, and the
-multiprocess metrics directory the gunicorn master manages."""
+"""Pure pieces of observability: the request log line, percentile math, the status page's
+charts, settings, and the multiprocess metrics directory the gunicorn master manages."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from xml.etree import ElementTree
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -16,6 +17,7 @@ from prometheus_client import multiprocess as prom_multiprocess
 
 from epd_flask.control import metricsdir
 from epd_flask.control.config import ProxyConfig
+from epd_flask.observe import plots
 from epd_flask.observe.statuspage import quantile
 from epd_flask.serving import context
 from epd_flask.serving.context import RequestContext
@@ -81,6 +83,29 @@ def test_quantile_interpolates_like_prometheus() -> None:
     assert quantile(0.2, cumulative) == pytest.approx(0.05)
     assert quantile(0.99, [(0.1, 0.0), (float("inf"), 5.0)]) == 0.1
     assert quantile(0.5, [(0.1, 0.0), (float("inf"), 0.0)]) is None
+
+
+def test_chart_axis_tops_are_round_numbers() -> None:
+    assert [plots.nice_ceiling(v) for v in (0, 0.003, 0.7, 1, 1.2, 3, 7, 42, 1000)] == [
+        1, 0.005, 1, 1, 2, 5, 10, 50, 1000]
+
+
+def test_a_chart_is_well_formed_svg_and_a_gap_breaks_its_line() -> None:
+    chart = plots.Chart("5xx <ratio> & more", "ratio", 300, [
+        plots.Line("a", [(-300, 0.5), (-290, 0.25), (-280, None), (-270, 2.0), (-260, None),
+                         (-10, 0.0), (0, 0.1)]),
+        plots.Line("b & c", [(-20, None)])])
+    svg = ElementTree.fromstring(plots.svg(chart))
+    ns = "{http://www.w3.org/2000/svg}"
+    assert svg.findtext(f"{ns}title") == "5xx <ratio> & more"
+    lines = [p.get("points").split() for p in svg.iter(f"{ns}polyline")]
+    dots = [(c.get("cx"), c.get("cy")) for c in svg.iter(f"{ns}circle")]
+    # Plotting area x 46..312 (-300 s..now), y 88..6 (0..100 %: a ratio axis stops there, so
+    # the 2.0 outlier is drawn at the top, alone between two gaps).
+    assert lines == [["46.0,47.0", "54.9,67.5"], ["303.1,88.0", "312.0,79.8"]]
+    assert dots == [("72.6", "6.0")]
+    assert "100.0 %" in [t.text for t in svg.iter(f"{ns}text")]
+    assert plots.legend(chart).endswith("b &amp; c: - now, - max")
 
 
 def test_log_settings_from_the_environment() -> None:
