@@ -35,6 +35,7 @@ from epd_flask.web.edge import KeyRing
 from epd_flask.web.inflight import InFlight, InFlightMiddleware
 from epd_flask.web.services import EXTENSION, Services, services
 from epd_flask.web.shutdown import Drain
+from epd_flask.web.slowbody import BodyDeadline
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +90,8 @@ def create_app(config: ProxyConfig | None = None, roster: Roster | None = None) 
     context.configure(config.log_format, config.log_upstream)
     metrics.install()
     svc = app.extensions[EXTENSION] = build_services(config, roster, generation)
-    app.wsgi_app = InFlightMiddleware(app.wsgi_app, svc.inflight)  # type: ignore[method-assign]
+    app.wsgi_app = InFlightMiddleware(  # type: ignore[method-assign]
+        BodyDeadline(app.wsgi_app, config.body_timeout), svc.inflight)
 
     from epd_flask.web.admin import bp as admin_bp
     from epd_flask.web.api import bp

@@ -41,6 +41,8 @@ class ProxyConfig:
     # What upstream answers may cost a worker.
     max_event_bytes: int = default("EPD_MAX_EVENT_BYTES")
     max_upstream_body_bytes: int = default("EPD_MAX_UPSTREAM_BODY_BYTES")
+    # How long a client may take to send its request body.
+    body_timeout: float = default("EPD_BODY_TIMEOUT")
     # Which URLs may be registered as instances (SSRF guard for the admin API).
     instance_schemes: tuple[str, ...] = default("EPD_INSTANCE_SCHEMES")
     instance_networks: tuple[str, ...] = field(default=())
@@ -84,6 +86,7 @@ class ProxyConfig:
             max_json_depth=read("EPD_MAX_JSON_DEPTH", environ),
             max_event_bytes=read("EPD_MAX_EVENT_BYTES", environ),
             max_upstream_body_bytes=read("EPD_MAX_UPSTREAM_BODY_BYTES", environ),
+            body_timeout=read("EPD_BODY_TIMEOUT", environ),
             admin_prefix=read("EPD_ADMIN_PREFIX", environ).strip(),
             instance_schemes=read("EPD_INSTANCE_SCHEMES", environ),
             instance_networks=read("EPD_INSTANCE_NETWORKS", environ),

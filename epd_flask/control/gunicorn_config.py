@@ -31,7 +31,10 @@ bind = _setting("EPD_BIND")
 # state, and probes (each worker probes every instance: workers x instances probes per
 # probe_interval; docs/deploy.md). In a container os.cpu_count() is the node's core count,
 # not the CPU limit: set EPD_WORKERS there.
-worker_class = "gevent"
+# Our subclass of gunicorn's gevent worker: it bounds the time a client takes to send a
+# request's head (EPD_HEADER_TIMEOUT; epd_flask/web/worker.py). `-k gevent` on the command
+# line would bring back the stock one, which gives a head the whole keepalive.
+worker_class = "epd_flask.web.worker.GeventWorker"
 workers = _setting("EPD_WORKERS")
 # Concurrent client connections per worker: open streams plus idle keep-alive connections
 # from nginx (up to its upstream `keepalive` per nginx worker process). A host carries

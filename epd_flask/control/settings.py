@@ -192,6 +192,12 @@ _ENV_VARS = (
     EnvVar("EPD_API_KEYS_FILE", str, None, "serving API keys, one per line", (APP,),
            shown="(none: open)", metavar="FILE"),
     EnvVar("EPD_MAX_JSON_DEPTH", int, 64, "request bodies nested deeper get 400", (APP,)),
+    # A trickled head or body holds a connection (and a body an in-flight slot) for as long
+    # as the client likes; nginx in front sends both at once.
+    EnvVar("EPD_HEADER_TIMEOUT", float, 10.0,
+           "seconds a client may take to send a request's head", (APP,)),
+    EnvVar("EPD_BODY_TIMEOUT", float, 60.0,
+           "seconds a client may take to send a request's body", (APP,)),
     # vLLM's events are hundreds of bytes (kilobytes with logprobs); relaying one means
     # holding it whole until its end.
     EnvVar("EPD_MAX_EVENT_BYTES", int, 4 * 1024 * 1024,

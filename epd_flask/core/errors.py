@@ -76,6 +76,14 @@ class PayloadTooLarge(ClientError):
     code = "payload_too_large"
 
 
+class RequestTimeout(ClientError):
+    """The client did not send its whole request in time; the connection is closed after
+    this answer (the rest of the body is never read)."""
+
+    status = 408
+    code = "request_timeout"
+
+
 class NotFound(ClientError):
     status = 404
     code = "not_found"
@@ -243,7 +251,10 @@ def render(err: ProxyError) -> tuple[int, bytes, str]:
 
 def extra_headers(err: ProxyError) -> list[tuple[str, str]]:
     """Headers an error response carries besides its body's content type."""
-    return [("Retry-After", str(err.retry_after))] if err.retry_after is not None else []
+    headers = [("Retry-After", str(err.retry_after))] if err.retry_after is not None else []
+    if isinstance(err, RequestTimeout):
+        headers.append(("Connection", "close"))
+    return headers
 
 
 def sse_event(err: ProxyError) -> bytes:

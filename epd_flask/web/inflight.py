@@ -121,7 +121,7 @@ class InFlight:
             still_open += 1
             if connection not in self._ended and now - since >= grace:
                 self._ended.add(connection)
-                _end_reads(connection)
+                end_reads(connection)
         return still_open
 
     def greenlets(self) -> list[gevent.Greenlet]:
@@ -142,12 +142,12 @@ class InFlightMiddleware:
 
     def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Any:
         if environ.get("PATH_INFO") in EXEMPT_PATHS:
-            self.inflight.seen(_connection(environ))
+            self.inflight.seen(connection_of(environ))
             return self.app(environ, start_response)
         refusal = self.inflight.refusal()
         if refusal is not None:
             return self._refuse(refusal, environ, start_response)
-        token = self.inflight.enter(_connection(environ))
+        token = self.inflight.enter(connection_of(environ))
         try:
             result = self.app(environ, start_response)
         except BaseException:
@@ -170,7 +170,7 @@ class InFlightMiddleware:
 _REASONS = {503: "Service Unavailable"}
 
 
-def _connection(environ: dict[str, Any]) -> Any:
+def connection_of(environ: dict[str, Any]) -> Any:
     for key in SOCKET_KEYS:
         if key in environ:
             return environ[key]
@@ -184,7 +184,7 @@ def _closed(connection: Any) -> bool:
         return True
 
 
-def _end_reads(connection: Any) -> None:
+def end_reads(connection: Any) -> None:
     """The server's next read on ``connection`` sees EOF; writes still go out.
 
     Done on a duplicate descriptor: gevent's own ``shutdown`` would wake the greenlet waiting

@@ -1,0 +1,116 @@
+"""gunicorn's gevent worker with a bound on the time a client takes to send a request's head
+(``EPD_HEADER_TIMEOUT``).
+
+The stock worker reads every head under one ``gevent.Timeout(keepalive)``: a client that
+sends its head a byte at a time holds a connection for the whole keep-alive time (75 s), and
+a thousand of them fill ``worker_connections`` so that the worker stops accepting, its
+``/health`` included. Here the first head on a connection must be complete within the
+header timeout of the accept; on a kept-alive connection the wait for the next request may
+last ``keepalive`` as before, and its head then has the header timeout from its first byte.
+A head that misses its deadline closes the connection. The body is bounded by the app
+(``web/slowbody.py``). Imported by the gunicorn master (``worker_class``), so it imports
+nothing of the app; gunicorn's own gevent worker, which it extends, is imported there too.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any
+
+import gevent
+from gunicorn.workers.ggevent import GeventWorker as _StockGeventWorker
+
+from epd_flask.control.settings import read
+
+logger = logging.getLogger(__name__)
+
+
+class _HeadTimeout(BaseException):
+    """Thrown into the greenlet reading a head that took too long; caught by the deadline
+    that threw it (a BaseException, like gevent's Timeout, so no ``except Exception`` on the
+    way swallows it)."""
+
+
+class HeadDeadline:
+    """The context gunicorn reads one request's head in (its ``timeout_ctx``).
+
+    Armed with ``head`` seconds at once for a connection's first request; for a later one,
+    ``idle`` seconds until the socket turns readable, then ``head`` seconds from there.
+    """
+
+    def __init__(self, sock: Any, idle: float, head: float, first: bool) -> None:
+        self._sock = sock
+        self._idle = idle
+        self._head = head
+        self._first = first
+        self._exc = _HeadTimeout()
+        self._greenlet: Any = None
+        self._timer: Any = None
+        self._watch: Any = None
+
+    def __enter__(self) -> HeadDeadline:
+        self._greenlet = gevent.getcurrent()
+        loop = gevent.get_hub().loop
+        if self._first or self._sock is None:
+            self._arm(self._head)
+        else:
+            self._arm(self._idle)
+            self._watch = loop.io(self._sock.fileno(), 1)
+            self._watch.start(self._readable)
+        return self
+
+    def _arm(self, seconds: float) -> None:
+        if self._timer is not None:
+            self._timer.close()
+        self._timer = gevent.get_hub().loop.timer(seconds)
+        self._timer.start(self._greenlet.throw, self._exc)
+
+    def _readable(self) -> None:
+        """The next request's first bytes (or the client's EOF) arrived."""
+        self._stop_watch()
+        self._arm(self._head)
+
+    def _stop_watch(self) -> None:
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch.close()
+            self._watch = None
+
+    def __exit__(self, typ: Any, value: Any, tb: Any) -> bool:
+        self._stop_watch()
+        if self._timer is not None:
+            self._timer.close()
+            self._timer = None
+        if value is self._exc:
+            logger.info("a client took more than %g s to send a request's head; its "
+                        "connection was closed", self._head)
+            return True
+        return False
+
+
+class GeventWorker(_StockGeventWorker):
+    """``worker_class`` in ``etc/gunicorn.conf.py``; ``-k gevent`` on the command line
+    would replace it with the stock worker (no header timeout)."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.header_timeout: float = read("EPD_HEADER_TIMEOUT")
+        # The connection each handler greenlet serves, and whether its next head is its
+        # first: gunicorn's timeout_ctx() is called without either.
+        self._connections: weakref.WeakKeyDictionary[Any, list[Any]] = \
+            weakref.WeakKeyDictionary()
+
+    def handle(self, listener: Any, client: Any, addr: Any) -> None:
+        self._connections[gevent.getcurrent()] = [client, True]
+        try:
+            super().handle(listener, client, addr)
+        finally:
+            self._connections.pop(gevent.getcurrent(), None)
+
+    def timeout_ctx(self) -> HeadDeadline:
+        state = self._connections.get(gevent.getcurrent())
+        sock, first = state if state is not None else (None, True)
+        if state is not None:
+            state[1] = False
+        return HeadDeadline(sock, self.cfg.keepalive, self.header_timeout, first)
