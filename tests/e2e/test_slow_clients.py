@@ -1,6 +1,7 @@
 """Slow clients through real gunicorn: heads and bodies sent a byte at a time hold the worker
 only for EPD_HEADER_TIMEOUT / EPD_BODY_TIMEOUT, while /health answers and completions are
-served again as soon as the slow bodies' slots are freed."""
+served again as soon as the slow bodies' slots are freed (/ready too: probes, like /health,
+are never refused for load)."""
 
 from __future__ import annotations
 
@@ -98,9 +99,10 @@ def test_slow_heads_and_bodies_are_cut_while_health_and_completions_are_served(p
     completions: list[tuple[float, int, str]] = []
 
     def probe() -> None:
-        t = time.monotonic()
-        r = requests.get(gw.url + "/health", timeout=5)
-        health.append((t - started, r.status_code, time.monotonic() - t))
+        for path in ("/health", "/ready"):
+            t = time.monotonic()
+            r = requests.get(gw.url + path, timeout=5)
+            health.append((t - started, r.status_code, time.monotonic() - t))
 
     def complete() -> None:
         t = time.monotonic()
@@ -121,7 +123,7 @@ def test_slow_heads_and_bodies_are_cut_while_health_and_completions_are_served(p
     body_cut = sorted(s.ended - s.started for s in slow_bodies if s.ended)
     print(f"\n{SLOW_HEADS} slow heads + {SLOW_BODIES} slow bodies on a worker of "
           f"{CONNECTIONS} connections, {IN_FLIGHT} in flight; over {WINDOW} s: "
-          f"/health {sum(h[1] == 200 for h in health)}/{len(health)} answered "
+          f"/health and /ready {sum(h[1] == 200 for h in health)}/{len(health)} answered "
           f"(slowest {max(h[2] for h in health) * 1000:.0f} ms); completions "
           f"{len(served)} served, {len(refused)} refused overloaded, first served at "
           f"{min((c[0] for c in served), default=float('nan')):.2f} s; slow heads closed "

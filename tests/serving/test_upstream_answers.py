@@ -4,6 +4,7 @@ and client-facing errors that name a stage and an instance label, never an inter
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import os
@@ -98,6 +99,23 @@ def test_a_50_mb_prefill_answer_fails_the_stage_without_being_held(sim, proxy, f
                               f"{8 * MB} bytes (EPD_MAX_UPSTREAM_BODY_BYTES)")
     assert grew < 40  # reading it whole (and joining it) took 200 MB
     assert d.state.stats()["completions"] == 0
+
+
+def test_an_oversized_encoder_answer_fails_the_encode_stage(sim, proxy, fake) -> None:
+    e, p, d = fake(_endless_json(20 * MB)), sim("prefill"), sim("decode")
+    px = proxy({"settings": {"decode_retries": 0}, "instances": [
+        {"role": "encode", "url": e.url}, {"role": "prefill", "url": p.url},
+        {"role": "decode", "url": d.url}]}, max_upstream_body_bytes=MB)
+    image = base64.b64encode(os.urandom(600)).decode()
+    r = post(px, {"model": "tiny-llama", "max_tokens": 2, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image}"}}]}]},
+        path="/v1/chat/completions")
+    assert r.status_code == 502, r.text
+    err = r.json()["error"]
+    assert err["code"] == "upstream_answer_too_large"
+    assert f"encode instance {instance_label(e.url)} answered more than {MB} bytes" \
+        in err["message"]
+    assert p.state.stats()["completions"] == 0 and d.state.stats()["completions"] == 0
 
 
 # -- what the proxy uses from prefill's answer -------------------------------------------------
