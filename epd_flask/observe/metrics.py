@@ -104,6 +104,12 @@ IN_FLIGHT_LIMIT = Gauge(
     "epd_requests_in_flight_limit", "The per-worker cap on client requests in flight "
     "(EPD_MAX_IN_FLIGHT); past it requests get 503 overloaded.",
     multiprocess_mode="livemax", registry=_REGISTRY)
+# The cap is per worker and gunicorn does not spread connections evenly, so the sum over
+# workers above cannot say how close any one of them is to refusing.
+BUSIEST_IN_FLIGHT = Gauge(
+    "epd_requests_in_flight_busiest_worker", "Client requests in flight on the busiest worker "
+    "right now: the one to compare with epd_requests_in_flight_limit.",
+    multiprocess_mode="livemax", registry=_REGISTRY)
 REFUSED = Counter("epd_requests_refused_total", "Client requests refused before they started, "
                   "by reason (overloaded: the worker was at its in-flight cap).", ["reason"],
                   registry=_REGISTRY)
@@ -212,6 +218,7 @@ class MetricsObserver:
 
     def load(self, in_flight: int, limit: int) -> None:
         CLIENT_IN_FLIGHT.set(in_flight)
+        BUSIEST_IN_FLIGHT.set(in_flight)
         IN_FLIGHT_LIMIT.set(limit)
 
     def refused(self, reason: str) -> None:

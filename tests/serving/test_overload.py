@@ -58,6 +58,7 @@ def test_past_the_cap_requests_get_503_with_retry_after_at_once(sim, proxy) -> N
     assert load["in_flight"] == 2 and load["limit"] == 2 and load["rejected_overload"] == 1
     metrics = requests.get(px.url + "/metrics", timeout=5).text
     assert "epd_requests_in_flight 2.0" in metrics
+    assert "epd_requests_in_flight_busiest_worker 2.0" in metrics
     assert "epd_requests_in_flight_limit 2.0" in metrics
     assert 'epd_requests_refused_total{reason="overloaded"}' in metrics
     # A client leaving frees its slot for the next request.
