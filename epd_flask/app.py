@@ -61,10 +61,13 @@ def build_services(config: ProxyConfig, roster: Roster, generation: int = 0) -> 
         discovery = BootstrapDiscovery(registry, transport, lambda: pipeline.roster.settings)
         connector = cls(discovery.pick, discovery.ready)
     else:
-        connector = cls(lambda exclude: Placement(router.pick("prefill", exclude)))
+        connector = cls(lambda exclude, model=None, base=None: Placement(
+            router.pick("prefill", exclude, model, base)))
     pipeline = Pipeline(roster, registry, router, transport, connector,
                         max_event_bytes=config.max_event_bytes)
-    prober = Prober(registry, transport, lambda: pipeline.roster.settings)
+    prober = Prober(registry, transport, lambda: pipeline.roster.settings,
+                    models_headers={"Authorization": f"Bearer {config.backend_api_key}"}
+                    if config.backend_api_key else None)
     state = StateDir(config.state_dir) if config.state_dir else None
     fleet = Fleet(roster, generation, registry, pipeline, config.roster_path, state,
                   prober.probe_now)

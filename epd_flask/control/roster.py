@@ -52,6 +52,23 @@ class Instance(_Strict):
     ec_zmq_addrs: tuple[str, ...] | None = None
     bootstrap_url: str | None = None
     kv_zmq_addr: str | None = None
+    #: The model names (LoRA adapters included) this instance serves, as clients name them.
+    #: None: discovered from the instance's ``/v1/models`` (docs/behaviour.md#models).
+    models: tuple[str, ...] | None = None
+
+    @field_validator("models")
+    @classmethod
+    def _model_names(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        if value is None:
+            return None
+        names = tuple(v.strip() for v in value)
+        if not names or any(not n for n in names):
+            raise ValueError("must list at least one model name, and no empty names "
+                             "(leave models out to discover them from /v1/models)")
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"lists {dupes[0]!r} more than once")
+        return names
 
     @field_validator("url", "bootstrap_url")
     @classmethod
@@ -169,6 +186,25 @@ def check_rules(roster: Roster) -> None:
                 raise RosterError(f"instance {inst.url}: {need.message}")
         check_instance(inst)
     check_ec_consumers(roster)
+    check_models(roster)
+
+
+def check_models(roster: Roster) -> None:
+    """A model listed on a prefill must be servable by some decode (docs/behaviour.md#models):
+    its KV would be computed for nobody. A decode without ``models`` may serve anything until
+    its ``/v1/models`` is read, so only a split roster whose every decode lists its models
+    can be judged here."""
+    decodes = roster.by_role("decode")
+    if not decodes or any(d.models is None for d in decodes):
+        return
+    decodable = {m for d in decodes for m in d.models or ()}
+    for inst in roster.by_role("prefill"):
+        for model in inst.models or ():
+            if model not in decodable:
+                raise RosterError(
+                    f"instance {inst.url} (prefill) lists model {model!r}, but no decode "
+                    f"instance serves it (decodes list: {', '.join(sorted(decodable))}); add "
+                    f"{model!r} to a decode's models or remove it from this prefill")
 
 
 def check_ec_consumers(roster: Roster) -> None:

@@ -68,6 +68,8 @@ evicted: EventHook[[str, str]] = EventHook()
 rejoined: EventHook[[str, str]] = EventHook()
 #: The whole roster with each instance's state, after any change to it.
 fleet: EventHook[[Sequence[FleetEntry]]] = EventHook()
+#: Every model name some instance of the roster serves, after any change to them.
+models: EventHook[[Sequence[str]]] = EventHook()
 #: A roster reload was applied (``ok``) or refused (not ``ok``).
 reload: EventHook[[bool]] = EventHook()
 #: This worker's client requests in flight changed: (in flight, its cap).

@@ -1,5 +1,6 @@
 """The background greenlet that probes every instance's ``/health``
-(docs/behaviour.md#health-probes).
+(docs/behaviour.md#health-probes), and reads the models of those that answer
+(docs/behaviour.md#models).
 
 Started by the server (a gunicorn hook, or a test fixture), never by the app factory. The
 first round runs at once, so a new worker learns about instances that died after the health
@@ -15,9 +16,10 @@ from collections.abc import Callable
 import gevent.pool
 
 from epd_flask.control.roster import Settings
-from epd_flask.core import events
+from epd_flask.core import events, jsoncodec
 from epd_flask.core.errors import ProxyError
 from epd_flask.core.periodic import Periodic
+from epd_flask.fleet.models import ModelListError, parse_models
 from epd_flask.fleet.registry import InstanceState, Registry
 from epd_flask.upstream.transport import Transport
 
@@ -28,8 +30,11 @@ PROBE_CONCURRENCY = 32
 
 class Prober:
     def __init__(self, registry: Registry, transport: Transport,
-                 settings: Callable[[], Settings]) -> None:
+                 settings: Callable[[], Settings],
+                 models_headers: dict[str, str] | None = None) -> None:
         self.registry = registry
+        # /health needs no credentials; /v1/models does on an instance started with --api-key.
+        self.models_headers = models_headers or {}
         self.transport = transport
         self.settings = settings
         self._pool = gevent.pool.Pool(PROBE_CONCURRENCY)
@@ -76,7 +81,35 @@ class Prober:
         events.probe.fire(state.instance.role, url, ok, time.monotonic() - started)
         if ok:
             self.registry.record_success(url, time.monotonic() - started)
+            if self.models_due(state):
+                self.read_models(state)
         else:
             self.registry.record_failure(url, reason)
         return ok
+
+    @staticmethod
+    def models_due(state: InstanceState) -> bool:
+        """Every round for an instance whose models are discovered (an adapter loaded or
+        unloaded shows within one interval); once for one whose roster lists them, whose
+        answer only lends its cards' fields to ``/v1/models``."""
+        return state.instance.models is None or state.cards is None
+
+    def read_models(self, state: InstanceState) -> None:
+        url = state.instance.url
+        cards, error = None, None
+        try:
+            resp = self.transport.send(
+                "GET", url + "/v1/models", stage="probe", headers=self.models_headers,
+                read_timeout=self.settings().probe_timeout, stream=False,
+            )
+            try:
+                if resp.status_code != 200:
+                    raise ModelListError(f"/v1/models answered {resp.status_code}")
+                cards = parse_models(jsoncodec.loads(resp.content or b""))
+            finally:
+                resp.close()
+        except (ProxyError, ValueError) as err:
+            error = getattr(err, "message", None) or str(err)
+        if self.registry.get(url) is state:
+            self.registry.record_models(url, cards, error)
 

@@ -37,6 +37,34 @@ class InstanceState:
     last_error: str | None = None
     in_flight: int = 0
     extra: dict[str, object] = field(default_factory=dict)
+    #: The instance's last readable ``/v1/models`` answer, cards by model id (None: never
+    #: read); an unreadable answer leaves it as it was (docs/behaviour.md#models).
+    cards: dict[str, dict[str, Any]] | None = None
+    models_error: str | None = None
+
+    def served(self) -> frozenset[str] | None:
+        """The model names this instance takes requests for: its roster ``models`` when
+        given, else what its ``/v1/models`` last listed; None while neither is known (then it
+        is a candidate for any model, so a fleet starts serving before its first read)."""
+        if self.instance.models is not None:
+            return frozenset(self.instance.models)
+        return None if self.cards is None else frozenset(self.cards)
+
+    def serves(self, model: str | None) -> bool:
+        names = self.served()
+        return model is None or names is None or model in names
+
+    def parent(self, model: str) -> str | None:
+        """The base model of ``model`` when this instance lists it as an adapter."""
+        card = (self.cards or {}).get(model)
+        parent = card.get("parent") if card else None
+        return parent if isinstance(parent, str) and parent else None
+
+    def same_base(self, model: str, base: str | None) -> bool:
+        """Whether ``model`` runs on ``base`` here (None, or a lineage unknown here: yes)."""
+        if base is None or self.cards is None or model not in self.cards:
+            return True
+        return (self.parent(model) or model) == base
 
 
 class Registry:
@@ -85,8 +113,49 @@ class Registry:
         states = self._states.values()
         return [s.instance for s in states if role is None or s.instance.role == role]
 
-    def live(self, role: str) -> list[Instance]:
-        return [s.instance for s in self._states.values() if s.live and s.instance.role == role]
+    def live(self, role: str, model: str | None = None,
+             base: str | None = None) -> list[Instance]:
+        """Live instances of ``role``; with ``model``, those serving it (on ``base``, when
+        given: a prefill must run a request on the base model its decode runs it on)."""
+        return [s.instance for s in self._states.values()
+                if s.live and s.instance.role == role and s.serves(model)
+                and (base is None or model is None or s.same_base(model, base))]
+
+    def serves_anywhere(self, role: str, model: str | None) -> bool:
+        """Whether any instance of ``role``, live or evicted, is known to serve ``model``
+        (or might: its models are not known yet)."""
+        return any(s.instance.role == role and s.serves(model) for s in self._states.values())
+
+    def base_of(self, url: str, model: str | None) -> str | None:
+        """The base model ``model`` runs on at ``url``, if that instance knows."""
+        state = self._states.get(url)
+        if state is None or model is None or state.cards is None or model not in state.cards:
+            return None
+        return state.parent(model) or model
+
+    def record_models(self, url: str, cards: dict[str, dict[str, Any]] | None,
+                      error: str | None = None) -> None:
+        """A ``/v1/models`` read: its cards, or (``cards`` None) why it failed, in which case
+        the last known list stays."""
+        state = self._states.get(url)
+        if state is None:
+            return
+        if cards is None:
+            if error != state.models_error:
+                logger.warning("instance %s: cannot read its models (%s); keeping %s", url,
+                               error, "its last known list" if state.cards is not None
+                               else "it a candidate for any model")
+            state.models_error = error
+            return
+        state.models_error = None
+        if cards.keys() != (state.cards or {}).keys() or state.cards is None:
+            logger.info("instance %s (%s) serves %s", url, state.instance.role,
+                        ", ".join(sorted(cards)) or "no model")
+            state.cards = cards
+            self._changed(state)
+            self._announce()
+        else:
+            state.cards = cards
 
     def confirmed(self, role: str) -> list[Instance]:
         """Live instances known to answer: what readiness counts."""
@@ -155,6 +224,7 @@ class Registry:
     def _announce(self) -> None:
         events.fleet.fire([events.FleetEntry(s.instance.role, url, s.live)
                                   for url, s in self._states.items()])
+        events.models.fire(sorted({m for s in self._states.values() for m in s.served() or ()}))
 
     def export(self) -> dict[str, dict[str, Any]]:
         """Health by URL as plain JSON-able data, with wall-clock times another process can
@@ -169,6 +239,7 @@ class Registry:
                 else now_wall - (now_mono - s.evicted_at),
                 "last_probe_at": s.last_probe_at, "last_probe_ok": s.last_probe_ok,
                 "last_latency": s.last_latency, "last_error": s.last_error,
+                "cards": s.cards,
             }
         return out
 
@@ -198,6 +269,9 @@ class Registry:
                 state.last_probe_ok = entry.get("last_probe_ok")
                 state.last_latency = entry.get("last_latency")
                 state.last_error = entry.get("last_error")
+                cards = entry.get("cards")
+                if isinstance(cards, dict) and all(isinstance(c, dict) for c in cards.values()):
+                    state.cards = dict(cards)
             except (KeyError, TypeError, ValueError):
                 logger.warning("ignoring an unreadable health snapshot entry for %s", url)
                 continue

@@ -24,6 +24,13 @@ NO_BACKEND_MESSAGES = {
 }
 
 
+def no_backend(role: str, model: str | None = None) -> NoBackend:
+    message = NO_BACKEND_MESSAGES.get(role, f"no live {role} instance is available")
+    if model is not None:
+        message = message.replace(" is available", f" serving model `{model}` is available")
+    return NoBackend(message, stage=role)
+
+
 class Router:
     """``start=None`` starts each role's cursor at a random position.
 
@@ -38,24 +45,26 @@ class Router:
         self._cursors: dict[str, Iterator[int]] = {}
         self._replicas: dict[str, Iterator[int]] = {}
 
-    def pick(self, role: str, exclude: frozenset[str] = frozenset()) -> Instance:
-        """The next live instance of ``role``, skipping URLs in ``exclude`` when others exist."""
-        live = self.registry.live(role)
+    def pick(self, role: str, exclude: frozenset[str] = frozenset(), model: str | None = None,
+             base: str | None = None) -> Instance:
+        """The next live instance of ``role`` serving ``model`` (docs/behaviour.md#models),
+        skipping URLs in ``exclude`` when others exist."""
+        live = self.registry.live(role, model, base)
         if not live:
-            raise NoBackend(NO_BACKEND_MESSAGES.get(role, f"no live {role} instance"), stage=role)
+            raise no_backend(role, model)
         n = next(self._cursor(role))
         preferred = [i for i in live if i.url not in exclude] or live
         return preferred[n % len(preferred)]
 
-    def pick_many(self, role: str, count: int) -> list[Instance]:
+    def pick_many(self, role: str, count: int, model: str | None = None) -> list[Instance]:
         """``count`` instances in rotation order, e.g. one encoder per media item.
 
         The cursor moves by ``count``, so the next request continues where this one stopped
         instead of starting again at the first instance.
         """
-        live = self.registry.live(role)
+        live = self.registry.live(role, model)
         if not live:
-            raise NoBackend(NO_BACKEND_MESSAGES.get(role, f"no live {role} instance"), stage=role)
+            raise no_backend(role, model)
         cursor = self._cursor(role)
         return [live[next(cursor) % len(live)] for _ in range(count)]
 

@@ -5,7 +5,8 @@ Under gunicorn every worker writes its values to ``PROMETHEUS_MULTIPROC_DIR`` (p
 master, see metricsdir.py) and any worker's scrape sums them all, through prometheus_client's
 multiprocess mode. Without that variable (tests, a single process) the values live in a private
 in-memory registry. Label values are bounded: routes from a fixed list, instances only from the
-roster, error kinds from the error taxonomy's codes.
+roster, error kinds from the error taxonomy's codes, models only from what some instance of
+the roster serves (docs/behaviour.md#models).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 KNOWN_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
 OTHER_ROUTE = "passthrough"
 NO_INSTANCE = ""
+NO_MODEL = ""
 # A stage spread over several instances at once (encoder fan-out) is timed as a whole.
 SEVERAL_INSTANCES = "several"
 # /status compares the newest sample with one this old.
@@ -97,6 +99,17 @@ PROBE_TIME = Gauge("epd_instance_last_probe_timestamp_seconds",
                    multiprocess_mode="livemostrecent", registry=_REGISTRY)
 
 
+MODEL_REQUESTS = Counter(
+    "epd_model_requests_total", "Completion requests answered, by the model they named (empty: "
+    "a name no instance serves, or none).", ["model"], registry=_REGISTRY)
+MODEL_ERRORS = Counter(
+    "epd_model_errors_total", "Completion requests of a model that ended in a server-side error "
+    "(a 5xx status, or an error in the stream).", ["model"], registry=_REGISTRY)
+MODEL_FIRST_BYTE_SECONDS = Histogram(
+    "epd_model_first_byte_seconds", "From a successful completion request's arrival to its "
+    "first byte to the client (time to first token), by model.", ["model"],
+    buckets=LATENCY_BUCKETS, registry=_REGISTRY)
+
 CLIENT_IN_FLIGHT = Gauge(
     "epd_requests_in_flight", "Client requests being served right now (streams included).",
     multiprocess_mode="livesum", registry=_REGISTRY)
@@ -135,6 +148,11 @@ class MetricsObserver:
         # Every URL any roster of this process listed: the only allowed instance labels.
         self.known: set[str] = set()
         self.roles_seen: set[str] = set()
+        # Every model name an instance of this process's rosters served: the model labels.
+        self.models_known: set[str] = set()
+
+    def model_label(self, model: str | None) -> str:
+        return model if model in self.models_known else NO_MODEL
 
     def instance_label(self, url: str | None) -> str:
         if url and "," in url and all(u in self.known for u in url.split(",")):
@@ -159,6 +177,18 @@ class MetricsObserver:
             CHUNKS.labels(route, served_by).inc(ctx.chunks)
         if ctx.bytes_out:
             BYTES.labels(route).inc(ctx.bytes_out)
+        if route != OTHER_ROUTE:
+            self._per_model(ctx)
+
+    def _per_model(self, ctx: RequestContext) -> None:
+        model = self.model_label(ctx.model)
+        MODEL_REQUESTS.labels(model).inc()
+        failed = (ctx.status or 0) >= 500 or (ctx.error is not None and ctx.status == 200)
+        if failed:
+            MODEL_ERRORS.labels(model).inc()
+        first = ctx.timings.get(FIRST_BYTE)
+        if first is not None and not failed:
+            MODEL_FIRST_BYTE_SECONDS.labels(model).observe(first / 1000.0)
 
     def listen(self) -> None:
         """Add every listener (idempotent)."""
@@ -171,6 +201,7 @@ class MetricsObserver:
         events.evicted.add_listener(self.evicted)
         events.rejoined.add_listener(self.rejoined)
         events.fleet.add_listener(self.fleet)
+        events.models.add_listener(self.models)
         events.reload.add_listener(self.reload)
         events.load.add_listener(self.load)
         events.refused.add_listener(self.refused)
@@ -212,6 +243,9 @@ class MetricsObserver:
             INSTANCES.labels(role, "live").set(live)
             INSTANCES.labels(role, "evicted").set(evicted)
         self.roles_seen.update(counts)
+
+    def models(self, names: Sequence[str]) -> None:
+        self.models_known.update(names)
 
     def reload(self, ok: bool) -> None:
         record_reload(ok)

@@ -101,6 +101,16 @@ class InstanceRow:
 
 
 @dataclass
+class ModelRow:
+    """One model's completions (docs/behaviour.md#models); name "" gathers unserved names."""
+
+    name: str
+    requests: float
+    errors: float
+    ttft: Latency
+
+
+@dataclass
 class Status:
     window: float | None  # seconds the numbers cover; None: since the process started
     ready: str
@@ -110,6 +120,7 @@ class Status:
     chunks: float
     counters: list[tuple[str, list[tuple[str, float]]]]
     charts: list[plots.Chart] = field(default_factory=list)
+    models: list[ModelRow] = field(default_factory=list)
     generated: float = field(default_factory=time.time)
     pid: int = field(default_factory=os.getpid)
 
@@ -216,7 +227,16 @@ def build(now: Snapshot, then: Snapshot | None, fleet: Sequence[FleetEntry],
     chunks = sum(n for _, n in delta(now, then, "epd_streamed_chunks_total"))
     window = None if then is None else now.taken - then.taken
     return Status(window, ready, rows, requests, _latencies(now, then), chunks, counters,
-                  charts(samples, now, fleet))
+                  charts(samples, now, fleet), _models(now, then))
+
+
+def _models(now: Snapshot, then: Snapshot | None) -> list[ModelRow]:
+    served = summed(delta(now, then, "epd_model_requests_total"), ["model"])
+    errors = summed(delta(now, then, "epd_model_errors_total"), ["model"])
+    ttft = buckets(delta(now, then, "epd_model_first_byte_seconds_bucket"), ["model"])
+    return [ModelRow(model, n, errors.get((model,), 0.0),
+                     _latency("time to first byte", ttft.get((model,), [])))
+            for (model,), n in sorted(served.items()) if n > 0]
 
 
 def _role_rank(role: str) -> int:
@@ -293,6 +313,16 @@ def render(status: Status) -> str:
         out.append("</table>")
     else:
         out.append("<p>No requests.</p>")
+    if status.models:
+        out.append("<h2>Models</h2>")
+        out.append("<table><tr><th class=\"l\">model</th><th>requests</th><th>per second</th>"
+                   "<th>errors</th><th>TTFT p50</th><th>TTFT p99</th></tr>")
+        for m in status.models:
+            out.append(f"<tr><td class=\"l\">{e(m.name or '(not served)')}</td>"
+                       f"<td>{m.requests:.0f}</td><td>{_rate(m.requests, status.window)}</td>"
+                       f"<td>{m.errors:.0f}</td><td>{_ms(m.ttft.p50)}</td>"
+                       f"<td>{_ms(m.ttft.p99)}</td></tr>")
+        out.append("</table>")
     out.append(f"<p>Streamed chunks (about one per token): {status.chunks:.0f}, "
                f"{_rate(status.chunks, status.window)} per second.</p>")
     out.append("<h2>Latency by stage</h2>")

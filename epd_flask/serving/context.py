@@ -66,6 +66,8 @@ class RequestContext:
     #: The id instances know this request by: unique per proxied request, whatever the
     #: client sent (see ``headers.new_upstream_id``); each attempt adds to it (``attempt_id``).
     upstream_id: str = field(default_factory=new_upstream_id)
+    # The model the request is routed by, once the fleet is known to serve it.
+    model: str | None = None
     started: float = field(default_factory=time.monotonic)
     timings: dict[str, float] = field(default_factory=dict)
     instances: dict[str, str] = field(default_factory=dict)
@@ -159,6 +161,8 @@ class RequestContext:
         fields: list[tuple[str, object]] = [
             ("request_id", self.request_id), ("upstream_id", self.upstream_id),
             ("route", self.route), ("status", self.status)]
+        if self.model is not None:
+            fields.append(("model", self.model))
         fields += list(self.instances.items())
         fields += [(f"{k}_ms", v) for k, v in self.timings.items()]
         fields += [("retries", self.retries), ("chunks", self.chunks),
@@ -179,6 +183,8 @@ class RequestContext:
             "instances": dict(self.instances), "timings_ms": dict(self.timings),
             "retries": self.retries, "chunks": self.chunks, "bytes": self.bytes_out,
         }
+        if self.model is not None:
+            doc["model"] = self.model
         rate = self.chunks_per_second()
         if rate is not None:
             doc["chunks_per_s"] = rate

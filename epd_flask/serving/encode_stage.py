@@ -14,6 +14,7 @@ import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from epd_flask.control.roster import Instance, Settings
@@ -51,11 +52,12 @@ class EncodeStage:
         Text-only requests, and rosters without encoders, pass through untouched.
         """
         items = multimodal.extract(body)
-        if not items or not self.registry.instances("encode"):
+        if not items or not self.registry.serves_anywhere("encode", ctx.model):
+            # No encoder for this model (docs/behaviour.md#models): the consumer encodes.
             return Staged(body)
         cooperate.after_step(ctx.bytes_in)  # extracting hashed every item's content
         started = time.monotonic()
-        targets = self.router.pick_many("encode", len(items))
+        targets = self.router.pick_many("encode", len(items), ctx.model)
         consumer_zmq, headers = self._pin_replica(consumer)
         transfer_ids = {i.index: uuid.uuid4().hex for i in items} if consumer_zmq else {}
         rewrite = settings.rewrite_media
@@ -70,7 +72,7 @@ class EncodeStage:
         try:
             answers = self.fanout.run(calls, concurrency=settings.encoder_concurrency,
                                       timeout=settings.encoder_timeout, ctx=ctx,
-                                      alternate=self._other_encoder)
+                                      alternate=partial(self._other_encoder, model=ctx.model))
         except BackendStatus as err:
             err.retryable = False  # the encoder's own status reaches the client
             raise
@@ -99,11 +101,12 @@ class EncodeStage:
                      ctx.request_id, len(items), len(calls), len(encoded))
         return Staged(out, headers)
 
-    def _other_encoder(self, failed: Instance) -> Instance | None:
-        """A live encoder other than ``failed`` for its call's one retry, if there is one."""
-        if not any(i.url != failed.url for i in self.registry.live("encode")):
+    def _other_encoder(self, failed: Instance, model: str | None = None) -> Instance | None:
+        """A live encoder of ``model`` other than ``failed`` for its call's one retry, if
+        there is one."""
+        if not any(i.url != failed.url for i in self.registry.live("encode", model)):
             return None
-        return self.router.pick("encode", exclude=frozenset({failed.url}))
+        return self.router.pick("encode", frozenset({failed.url}), model)
 
     def _pin_replica(self, consumer: Instance) -> tuple[str | None, dict[str, str]]:
         """With push consumers (docs/behaviour.md#routing), one replica is named to both the

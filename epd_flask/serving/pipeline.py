@@ -31,6 +31,7 @@ from epd_flask.core.errors import (
     instance_label,
 )
 from epd_flask.core.headers import REQUEST_ID_HEADER, client_headers
+from epd_flask.fleet.models import Catalog
 from epd_flask.fleet.registry import Registry
 from epd_flask.fleet.routing import Router
 from epd_flask.serving import fields, legs, relay, usage
@@ -79,6 +80,7 @@ class Pipeline:
         # Per-worker tallies of what went wrong beside the client's view (shown on /health).
         self.counters: Counter[str] = Counter()
         self.encode = EncodeStage(router, registry, Fanout(transport, registry, self.counters))
+        self.catalog = Catalog(registry, lambda: self.decode_role)
 
     @property
     def decode_role(self) -> str:
@@ -99,6 +101,9 @@ class Pipeline:
 
     def completion(self, path: str, body: dict[str, Any], ctx: RequestContext) -> Reply:
         """Serve /v1/completions or /v1/chat/completions, retrying before the first byte."""
+        # Every stage is picked among instances serving the model (docs/behaviour.md#models);
+        # the body goes upstream as the client wrote it, model absent or not.
+        ctx.model = self.catalog.resolve(body.get("model"))
         attempts = self.roster.settings.decode_retries + 1
         for attempt in range(attempts):
             try:
@@ -117,9 +122,13 @@ class Pipeline:
         raise AssertionError("unreachable")
 
     def passthrough(self, method: str, path: str, query: str, body: bytes | None,
-                    content_type: str | None, ctx: RequestContext) -> Reply:
-        """Any other route goes to a decode-side instance unchanged (docs/behaviour.md#edge)."""
-        target = self.router.pick(self.decode_role)
+                    content_type: str | None, ctx: RequestContext,
+                    model: str | None = None) -> Reply:
+        """Any other route goes to a decode-side instance unchanged (docs/behaviour.md#edge),
+        one serving the body's ``model`` when a live one does (docs/behaviour.md#models)."""
+        if model is not None and not self.registry.live(self.decode_role, model):
+            model = None  # nobody live serves it: the instance answers as vLLM would
+        target = self.router.pick(self.decode_role, model=model)
         ctx.instances["decode"] = target.url
         headers = dict(ctx.upstream_headers)
         if content_type:
@@ -136,13 +145,14 @@ class Pipeline:
         # consumer is chosen first because the encoders may have to push to it
         # (docs/behaviour.md#routing).
         if self.roster.combined:
-            target = self.router.pick("prefill_decode", exclude=frozenset(ctx.failed))
+            target = self.router.pick("prefill_decode", frozenset(ctx.failed), ctx.model)
             staged = self.encode.run(body, ctx, target, self.roster.settings)
             return self._open_decode(target, path, LegRequest(staged.body, staged.consumer_headers),
                                      ctx)
         # Decode is chosen first: with no decode alive, prefill work would be wasted.
-        decode = self.router.pick("decode", exclude=frozenset(ctx.failed))
-        route = self.connector.route(decode, ctx.attempt_id, ctx.retries, frozenset(ctx.failed))
+        decode = self.router.pick("decode", frozenset(ctx.failed), ctx.model)
+        route = self.connector.route(decode, ctx.attempt_id, ctx.retries, frozenset(ctx.failed),
+                                     ctx.model, self.registry.base_of(decode.url, ctx.model))
         body = self.encode.run(body, ctx, route.prefill.instance, self.roster.settings).body
         if self.connector.concurrent:
             return self._concurrent_legs(route, path, body, ctx)

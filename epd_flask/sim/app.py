@@ -22,6 +22,7 @@ from .httpio import (
     read_body,
     request_headers,
     status_line,
+    text_response,
 )
 from .state import SimState
 
@@ -29,6 +30,8 @@ logger = logging.getLogger(__name__)
 
 #: Longest an injected hang or a dying engine's request is held open, client or not.
 HANG_CAP_SECONDS = 600.0
+#: What a proxy's prober reads every round: counted, but kept out of the request record.
+PROBED_PATHS = ("/health", "/v1/models")
 RECORDED_RAW_BODY_CHARS = 2048
 DP_RANK_HEADER = "HTTP_X_DATA_PARALLEL_RANK"
 
@@ -64,7 +67,7 @@ class SimApp:
         if path.startswith("/sim/"):
             return None
         self.state.count_path(path)
-        if path == "/health" and not self.state.config.record_health:
+        if path in PROBED_PATHS and not self.state.config.record_health:
             return None
         entry = {
             "time": time.time(),
@@ -93,7 +96,50 @@ class SimApp:
     def models(self, environ: dict[str, Any], start_response: StartResponse) -> WSGIResult:
         self._note(environ, "/v1/models", None)
         cfg = self.state.config
-        return json_response(start_response, 200, wire.models_list(cfg.model, cfg.max_model_len))
+        return json_response(start_response, 200, wire.models_list(
+            cfg.model, cfg.max_model_len, self.state.adapters))
+
+    def load_lora(self, environ: dict[str, Any], start_response: StartResponse) -> WSGIResult:
+        """vLLM's runtime LoRA loading (``VLLM_ALLOW_RUNTIME_LORA_UPDATING``): the adapter's
+        name becomes a model of this server, listed in /v1/models with the base as parent."""
+        path = environ["PATH_INFO"]
+        try:
+            body = validate.parse_body(read_body(environ), environ.get("CONTENT_TYPE", ""))
+            self._note(environ, path, body)
+            name, where = body.get("lora_name"), body.get("lora_path")
+            if not name or not where or not isinstance(name, str):
+                raise errors.SimError(400, "Both 'lora_name' and 'lora_path' must be "
+                                      "provided.", "InvalidUserInput")
+            if name == self.state.config.model:
+                raise errors.SimError(400, f"The lora adapter '{name}' conflicts with a "
+                                      "served base model.", "InvalidUserInput")
+            if name in self.state.adapters and not body.get("load_inplace"):
+                raise errors.SimError(
+                    400, f"The lora adapter '{name}' has already been loaded. If you want to "
+                    "load the adapter in place, set 'load_inplace' to True.", "InvalidUserInput")
+        except errors.SimError as exc:
+            return self._error(start_response, exc)
+        self.state.adapters[name] = {"path": str(where), "loaded_at": time.time()}
+        return text_response(start_response, 200,
+                             f"Success: LoRA adapter '{name}' added successfully.")
+
+    def unload_lora(self, environ: dict[str, Any], start_response: StartResponse) -> WSGIResult:
+        path = environ["PATH_INFO"]
+        try:
+            body = validate.parse_body(read_body(environ), environ.get("CONTENT_TYPE", ""))
+            self._note(environ, path, body)
+            name = body.get("lora_name")
+            if not name:
+                raise errors.SimError(400, "'lora_name' needs to be provided to unload a LoRA "
+                                      "adapter.", "InvalidUserInput")
+            if name not in self.state.adapters:
+                raise errors.SimError(404, f"The lora adapter '{name}' cannot be found.",
+                                      "NotFoundError")
+        except errors.SimError as exc:
+            return self._error(start_response, exc)
+        del self.state.adapters[name]
+        return text_response(start_response, 200,
+                             f"Success: LoRA adapter '{name}' removed successfully.")
 
     def completion(self, environ: dict[str, Any], start_response: StartResponse) -> WSGIResult:
         path = environ["PATH_INFO"]
@@ -154,9 +200,11 @@ class SimApp:
                 raise parse_error
             assert body is not None
             cfg = state.config
-            req = validate.parse_request(path, body, cfg.model, cfg.max_model_len)
+            req = validate.parse_request(path, body, cfg.model, cfg.max_model_len,
+                                         state.adapters)
             rank = self._dp_rank(environ)
             answer = roles.answer(req, state, rank)
+            state.count_model(req.model)
         except errors.SimError as exc:
             return self._error(start_response, exc)
         except roles.IncompleteHandle as exc:
@@ -183,7 +231,7 @@ class SimApp:
         fp = wire.fingerprint(state.engine_id)
         if req.stream:
             events = stream.plan_events(
-                answer, chat=req.chat, include_usage=req.include_usage, model=cfg.model,
+                answer, chat=req.chat, include_usage=req.include_usage, model=req.model,
                 fingerprint=fp, ttft=ttft, token_delay=cfg.token_delay,
                 logprobs=req.logprobs)
             drop_after = state.take_drop()
@@ -204,7 +252,7 @@ class SimApp:
         return json_response(start_response, 200, build(
             request_id=answer.request_id,
             created=int(time.time()),
-            model=cfg.model,
+            model=req.model,
             texts=["".join(p) for p in answer.pieces],
             finish_reasons=answer.finish_reasons,
             fingerprint=fp,
@@ -290,6 +338,8 @@ ROUTES: dict[str, dict[str, Handler]] = {
     "/health": {"GET": SimApp.health},
     "/version": {"GET": SimApp.version},
     "/v1/models": {"GET": SimApp.models},
+    "/v1/load_lora_adapter": {"POST": SimApp.load_lora},
+    "/v1/unload_lora_adapter": {"POST": SimApp.unload_lora},
     validate.COMPLETIONS_PATH: {"POST": SimApp.completion},
     validate.CHAT_PATH: {"POST": SimApp.completion},
     "/start_profile": {"POST": SimApp.profile},

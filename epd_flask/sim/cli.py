@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000,
                    help="port to bind; 0 picks a free one (default: %(default)s)")
-    p.add_argument("--model", default="tiny-llama",
+    p.add_argument("--model", "--served-model-name", dest="model", default="tiny-llama",
                    help="served model name; other names get vLLM's 404 (default: %(default)s)")
     p.add_argument("--max-model-len", type=int, default=512,
                    help="context length; longer requests get vLLM's 400 (default: %(default)s)")

@@ -38,6 +38,13 @@ def json_response(
     return [body]
 
 
+def text_response(start_response: StartResponse, status: int, text: str) -> WSGIResult:
+    """A plain string body, as FastAPI's bare ``Response(content=...)`` sends it."""
+    body = text.encode()
+    start_response(status_line(status), [("content-length", str(len(body)))])
+    return [body]
+
+
 def empty_response(start_response: StartResponse, status: int) -> WSGIResult:
     start_response(status_line(status), [("content-length", "0"), ("vary", "Origin")])
     return []

@@ -79,6 +79,9 @@ class SimState:
         self.blocks = BlockAllocator()
         self.transfers = TransferBook()
         self._records: deque[dict[str, Any]] = deque(maxlen=self.config.record_limit)
+        # LoRA adapters loaded at run time, by name: their path and when they were loaded.
+        # Like a real engine's, they outlive a reset of counters and faults.
+        self.adapters: dict[str, dict[str, Any]] = {}
         self.reset()
 
     # -- the public API ---------------------------------------------------------------------
@@ -88,6 +91,8 @@ class SimState:
         out: dict[str, Any] = dict(self._counters)
         out["requests"] = dict(self._paths)
         out["dp_ranks"] = dict(self._ranks)
+        out["models"] = dict(self._models)
+        out["adapters"] = sorted(self.adapters)
         out["last_abort_at"] = self.last_abort_at
         out["engine_dead"] = self.engine_dead
         out["healthy"] = self.healthy
@@ -148,6 +153,7 @@ class SimState:
         self._paths: Counter[str] = Counter()
         self._ranks: Counter[str] = Counter()
         self._live_ids: Counter[str] = Counter()
+        self._models: Counter[str] = Counter()
         self.last_abort_at: float | None = None
         self.engine_dead = False
         self.profiling = False
@@ -173,6 +179,10 @@ class SimState:
 
     def count_rank(self, rank: int) -> None:
         self._ranks[str(rank)] += 1
+
+    def count_model(self, model: str) -> None:
+        """A completion accepted for ``model`` (the base model's name or an adapter's)."""
+        self._models[model] += 1
 
     def record(self, entry: dict[str, Any]) -> None:
         if self._records.maxlen:

@@ -5,6 +5,7 @@ the same status and error shape (FastAPI validation first, then vLLM's own check
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,8 @@ class Request:
     # How many alternatives per token to report (completions' ``logprobs``, chat's
     # ``top_logprobs``); None: no logprobs asked for.
     logprobs: int | None = None
+    # The name the answer carries: a LoRA adapter's when one was asked for, else the base's.
+    model: str = ""
 
     @property
     def total_prompt_tokens(self) -> int:
@@ -126,7 +129,8 @@ def _chat_messages(body: dict[str, Any]) -> list[Any]:
 
 
 def parse_request(
-    path: str, body: dict[str, Any], served_model: str, max_model_len: int
+    path: str, body: dict[str, Any], served_model: str, max_model_len: int,
+    adapters: Collection[str] = (),
 ) -> Request:
     """Validate a parsed body for ``path`` in vLLM's order: schema, model, prompt, lengths."""
     chat = path == CHAT_PATH
@@ -148,7 +152,7 @@ def parse_request(
     kv_params = _optional_dict(body, "kv_transfer_params")
 
     model = body.get("model")
-    if model is not None and model != served_model:
+    if model and model != served_model and model not in adapters:
         raise errors.model_not_found(str(model), served_model)
 
     prompts = [textgen.render_chat(messages)] if chat else _completion_prompts(body)
@@ -177,6 +181,7 @@ def parse_request(
             max_name, max_tokens)
 
     return Request(
+        model=model if model and model in adapters else served_model,
         chat=chat,
         body=body,
         prompts=prompts,

@@ -166,21 +166,31 @@ def usage_chunk(
     }
 
 
-def models_list(model: str, max_model_len: int) -> dict[str, Any]:
+def models_list(model: str, max_model_len: int,
+                adapters: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """vLLM's ``/v1/models``: the base model, then each loaded LoRA adapter with its path as
+    ``root``, the base as ``parent`` and no ``max_model_len`` (``OpenAIServingModels``)."""
     created = int(time.time())
+    cards = [{
+        "id": model, "object": "model", "created": created, "owned_by": "vllm",
+        "root": f"models/{model}", "parent": None, "max_model_len": max_model_len,
+        "permission": [_permission(created)],
+    }]
+    cards += [{
+        "id": name, "object": "model", "created": created, "owned_by": "vllm",
+        "root": adapter["path"], "parent": model, "max_model_len": None,
+        "permission": [_permission(created)],
+    } for name, adapter in (adapters or {}).items()]
+    return {"object": "list", "data": cards}
+
+
+def _permission(created: int) -> dict[str, Any]:
     return {
-        "object": "list",
-        "data": [{
-            "id": model, "object": "model", "created": created, "owned_by": "vllm",
-            "root": f"models/{model}", "parent": None, "max_model_len": max_model_len,
-            "permission": [{
-                "id": f"modelperm-{random.getrandbits(64):016x}", "object": "model_permission",
-                "created": created, "allow_create_engine": False, "allow_sampling": True,
-                "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
-                "allow_fine_tuning": False, "organization": "*", "group": None,
-                "is_blocking": False,
-            }],
-        }],
+        "id": f"modelperm-{random.getrandbits(64):016x}", "object": "model_permission",
+        "created": created, "allow_create_engine": False, "allow_sampling": True,
+        "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+        "allow_fine_tuning": False, "organization": "*", "group": None,
+        "is_blocking": False,
     }
 
 

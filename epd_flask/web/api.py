@@ -182,6 +182,25 @@ def ready() -> Response:
     return Response(json.dumps(doc), status=200 if ok else 503, content_type="application/json")
 
 
+@bp.get("/v1/models")
+def models() -> Response:
+    """The union of what live decode-side instances serve (docs/behaviour.md#models); until
+    any of them has told us its models, one of them answers, as for any other route."""
+    ctx = _context()
+    with _accounted(ctx):
+        _authorize()
+        listing = services().pipeline.catalog.listing()
+        if listing is None:
+            reply = services().pipeline.passthrough(
+                "GET", request.path, request.query_string.decode("latin-1"), None, None, ctx)
+            return _respond(reply)
+    body = json.dumps(listing).encode()
+    ctx.bytes_out = len(body)
+    ctx.finish(status=200)
+    return Response(body, status=200, content_type="application/json",
+                    headers={REQUEST_ID_HEADER: ctx.request_id})
+
+
 @bp.route("/", defaults={"path": ""}, methods=["GET", "POST"])
 @bp.route("/<path:path>", methods=["GET", "POST"])
 def passthrough(path: str) -> Response:
@@ -192,11 +211,12 @@ def passthrough(path: str) -> Response:
         _refuse_other_spellings(request.path)
         _authorize()
         raw: bytes | None = None
+        model = None
         if request.method == "POST":
-            raw = _forwarded_body(_body(), (request.mimetype or "").lower())
+            raw, model = _forwarded_body(_body(), (request.mimetype or "").lower())
         reply = services().pipeline.passthrough(
             request.method, request.path, request.query_string.decode("latin-1"), raw,
-            request.headers.get("Content-Type"), ctx)
+            request.headers.get("Content-Type"), ctx, model)
     return _respond(reply)
 
 
@@ -217,8 +237,9 @@ def _refuse_other_spellings(path: str) -> None:
         raise NotFound(f"no route {path}")
 
 
-def _forwarded_body(raw: bytes, mimetype: str) -> bytes:
-    """The body a pass-through sends: without the fields only the proxy may set.
+def _forwarded_body(raw: bytes, mimetype: str) -> tuple[bytes, str | None]:
+    """The body a pass-through sends: without the fields only the proxy may set; and the
+    ``model`` it names, if any, to route by (docs/behaviour.md#models).
 
     vLLM reads a body as JSON when its type is JSON or missing (and some routes whatever
     the type), so every body that is or looks like a JSON object is parsed; one that
@@ -226,11 +247,13 @@ def _forwarded_body(raw: bytes, mimetype: str) -> bytes:
     pass untouched. Unchanged bodies are forwarded byte for byte.
     """
     if not raw.strip():
-        return raw
+        return raw, None
     looks_json = mimetype in JSON_TYPES or mimetype.endswith("+json") \
         or raw.lstrip()[:1] == b"{"
     if not looks_json:
-        return raw
+        return raw, None
     doc = parse_object(raw, services().config.max_json_depth)
     forwarded = edge.without_proxy_fields(doc)
-    return raw if forwarded is doc else jsoncodec.dumps(forwarded)
+    model = doc.get("model")
+    return (raw if forwarded is doc else jsoncodec.dumps(forwarded),
+            model if isinstance(model, str) and model else None)

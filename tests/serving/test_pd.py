@@ -305,11 +305,14 @@ def test_client_disconnect_aborts_the_decode_stream(sim, proxy) -> None:
 def test_get_and_other_posts_pass_through_with_query(sim, proxy) -> None:
     p, d = sim("prefill"), sim("decode")
     px = proxy(pd_roster([p], [d]))
-    r = requests.get(px.url + "/v1/models?limit=5&x=%20y", timeout=10)
-    assert r.status_code == 200
-    assert r.json()["data"][0]["id"] == "tiny-llama"
+    r = requests.get(px.url + "/version?limit=5&x=%20y", timeout=10)
+    assert r.status_code == 200 and r.json()["version"]
     seen = d.state.requests(1)[0]
-    assert seen["path"] == "/v1/models" and seen["query"] == "limit=5&x=%20y"
+    assert seen["path"] == "/version" and seen["query"] == "limit=5&x=%20y"
+    # Before any instance's models are known, /v1/models is one decode's own answer.
+    r = requests.get(px.url + "/v1/models", timeout=10)
+    assert r.status_code == 200 and r.json()["data"][0]["id"] == "tiny-llama"
+    assert d.state.stats()["requests"]["/v1/models"] == 1
     r = requests.get(px.url + "/v1/nope", timeout=10)
     assert r.status_code == 404
     assert p.state.stats()["requests"].get("/v1/models", 0) == 0

@@ -34,7 +34,7 @@ DECODE = Instance(role="decode", url="http://d:8200", kv_zmq_addr="10.0.0.2:2200
 
 
 def connector(name: str, rank: int | None = None, engine: str | None = None):
-    return get_connector(name, lambda exclude: Placement(PREFILL, rank, engine))
+    return get_connector(name, lambda exclude, *_: Placement(PREFILL, rank, engine))
 
 
 def route_of(name: str, attempt: int = 0, rank: int | None = None) -> tuple:
@@ -189,4 +189,4 @@ def test_p2p_nccl_request_id_names_both_kv_addresses() -> None:
 
 def test_unknown_connector_is_refused() -> None:
     with pytest.raises(ValueError, match="not available"):
-        get_connector("carrier-pigeon", lambda exclude: Placement(PREFILL))
+        get_connector("carrier-pigeon", lambda exclude, *_: Placement(PREFILL))

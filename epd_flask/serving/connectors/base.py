@@ -48,7 +48,13 @@ class Placement:
     engine_id: str | None = None
 
 
-PickPrefill = Callable[[frozenset[str]], Placement]
+class PickPrefill(Protocol):
+    """Chooses the prefill of an attempt: not in ``exclude`` when others exist, serving
+    ``model`` on ``base`` (the base model decode runs it on) when given
+    (docs/behaviour.md#models)."""
+
+    def __call__(self, exclude: frozenset[str], model: str | None = None,
+                 base: str | None = None) -> Placement: ...
 
 
 @dataclass(frozen=True)
@@ -84,8 +90,10 @@ class Connector(Protocol):
         """Whether this connector knows enough to route a request (e.g. bootstrap discovery)."""
 
     def route(self, decode: Instance, request_id: str, attempt: int,
-              exclude: frozenset[str]) -> Route:
-        """Pick the prefill (and rank) for this attempt; ``exclude`` lists URLs that failed."""
+              exclude: frozenset[str], model: str | None = None,
+              base: str | None = None) -> Route:
+        """Pick the prefill (and rank) for this attempt; ``exclude`` lists URLs that failed,
+        ``model`` and ``base`` what the prefill must serve."""
 
     def prefill_leg(self, body: Body, route: Route) -> LegRequest:
         """The prefill call."""
@@ -115,8 +123,9 @@ class SplitConnector:
         return self._readiness() if self._readiness is not None else (True, "ok")
 
     def route(self, decode: Instance, request_id: str, attempt: int,
-              exclude: frozenset[str]) -> Route:
-        return Route(self._pick_prefill(exclude), decode, request_id, attempt)
+              exclude: frozenset[str], model: str | None = None,
+              base: str | None = None) -> Route:
+        return Route(self._pick_prefill(exclude, model, base), decode, request_id, attempt)
 
     def prefill_leg(self, body: Body, route: Route) -> LegRequest:
         raise NotImplementedError

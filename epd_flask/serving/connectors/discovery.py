@@ -173,10 +173,11 @@ class BootstrapDiscovery:
 
     # -- what requests and readiness see ----------------------------------------------------
 
-    def placements(self) -> list[Placement]:
-        """Every (live prefill, rank) pair with a current engine id, in roster order."""
+    def placements(self, model: str | None = None, base: str | None = None) -> list[Placement]:
+        """Every (live prefill, rank) pair with a current engine id, in roster order; with
+        ``model``, only prefills serving it (on ``base``) (docs/behaviour.md#models)."""
         out: list[Placement] = []
-        for inst in self.registry.live("prefill"):
+        for inst in self.registry.live("prefill", model, base):
             entry = self._engines.get(inst.url)
             if entry is None or not entry.current or entry.bootstrap_url != inst.bootstrap_url:
                 continue
@@ -184,11 +185,13 @@ class BootstrapDiscovery:
                        for rank, engine_id in enumerate(entry.engine_ids))
         return out
 
-    def pick(self, exclude: frozenset[str] = frozenset()) -> Placement:
-        pairs = self.placements()
+    def pick(self, exclude: frozenset[str] = frozenset(), model: str | None = None,
+             base: str | None = None) -> Placement:
+        pairs = self.placements(model, base)
         if not pairs:
-            raise NoBackend("no live prefill with a discovered Mooncake engine is available",
-                            stage="prefill")
+            serving = f" serving model `{model}`" if model is not None else ""
+            raise NoBackend(f"no live prefill{serving} with a discovered Mooncake engine is "
+                            "available", stage="prefill")
         preferred = [p for p in pairs if p.instance.url not in exclude] or pairs
         return preferred[next(self._cursor) % len(preferred)]
 

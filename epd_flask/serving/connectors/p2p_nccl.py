@@ -25,8 +25,9 @@ class P2pNcclConnector(SplitConnector):
     recomputes = False
 
     def route(self, decode: Instance, request_id: str, attempt: int,
-              exclude: frozenset[str]) -> Route:
-        placed = self._pick_prefill(exclude)
+              exclude: frozenset[str], model: str | None = None,
+              base: str | None = None) -> Route:
+        placed = self._pick_prefill(exclude, model, base)
         # One id per attempt: a retry must not collide with tensors a failed try left behind.
         leg_id = pair_request_id(placed.instance.kv_zmq_addr or "", decode.kv_zmq_addr or "")
         return Route(placed, decode, leg_id, attempt)

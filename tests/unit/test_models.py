@@ -1,0 +1,237 @@
+"""Which instances serve which model (docs/behaviour.md#models): the roster's ``models``, the
+``/v1/models`` answer read, the per-model filter every stage is picked through, the union and
+the model a request is routed by. No network."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+
+from epd_flask.control import reload
+from epd_flask.control.roster import Instance, RosterError, Settings, parse
+from epd_flask.control.statedir import STATE_DIR_ENV, StateDir
+from epd_flask.core.errors import ClientError, NoBackend
+from epd_flask.fleet.models import Catalog, ModelListError, ModelNotFound, parse_models
+from epd_flask.fleet.registry import Registry
+from epd_flask.fleet.routing import Router
+from epd_flask.serving.connectors.discovery import BootstrapDiscovery, Engines
+
+P1 = Instance(role="prefill", url="http://p1:8100", bootstrap_url="http://p1:8998")
+P2 = Instance(role="prefill", url="http://p2:8100", bootstrap_url="http://p2:8998")
+D1 = Instance(role="decode", url="http://d1:8200")
+D2 = Instance(role="decode", url="http://d2:8200")
+
+
+def card(model: str, parent: str | None = None, **extra: Any) -> dict[str, Any]:
+    return {"id": model, "object": "model", "created": 1, "owned_by": "vllm",
+            "root": f"/m/{model}", "parent": parent, "max_model_len": 64 if not parent else None,
+            "permission": [], **extra}
+
+
+def answer(*cards: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return parse_models({"object": "list", "data": list(cards)})
+
+
+def fleet(**lists: dict[str, dict[str, Any]]) -> Registry:
+    """Two prefills and two decodes; ``d1=answer(...)`` records what that one listed."""
+    registry = Registry([P1, P2, D1, D2])
+    for name, cards in lists.items():
+        registry.record_models({"p1": P1, "p2": P2, "d1": D1, "d2": D2}[name].url, cards)
+    return registry
+
+
+# -- the roster ---------------------------------------------------------------------------
+
+
+def test_roster_models_are_names_listed_once() -> None:
+    doc = {"instances": [{"role": "decode", "url": "http://d:1", "models": [" a ", "b"]}]}
+    assert parse(doc).instances[0].models == ("a", "b")
+    for bad in ([], ["a", "a"], [""], "a-string-is-not-a-list", [1]):
+        with pytest.raises(RosterError, match="models"):
+            parse({"instances": [{"role": "decode", "url": "http://d:1", "models": bad}]})
+
+
+def test_a_prefill_model_no_decode_serves_is_a_roster_error_naming_both() -> None:
+    doc = {"instances": [
+        {"role": "prefill", "url": "http://p:1", "models": ["llama", "qwen"]},
+        {"role": "decode", "url": "http://d:1", "models": ["llama"]},
+    ]}
+    with pytest.raises(RosterError) as info:
+        parse(doc, "roster.yaml")
+    message = str(info.value)
+    assert "roster.yaml" in message and "http://p:1" in message and "'qwen'" in message
+    doc["instances"][1]["models"] = ["llama", "qwen"]
+    assert parse(doc).instances[0].models == ("llama", "qwen")
+    # A decode whose models are discovered may serve it: nothing to judge at load time.
+    doc["instances"].append({"role": "decode", "url": "http://d:2"})
+    doc["instances"][1]["models"] = ["llama"]
+    parse(doc)
+
+
+# -- /v1/models answers --------------------------------------------------------------------
+
+
+def test_parse_keeps_cards_as_the_instance_wrote_them() -> None:
+    cards = answer(card("base"), card("lora", parent="base", extra_field=1))
+    assert list(cards) == ["base", "lora"]
+    assert cards["lora"]["parent"] == "base" and cards["lora"]["extra_field"] == 1
+
+
+@pytest.mark.parametrize("doc", [None, [], {"data": {}}, {"data": [{"object": "model"}]},
+                                 {"data": [{"id": ""}]}, {"data": ["x"]},
+                                 {"data": [{"id": str(i)} for i in range(1025)]}])
+def test_unusable_model_lists_are_refused(doc) -> None:
+    with pytest.raises(ModelListError):
+        parse_models(doc)
+
+
+def test_an_unreadable_answer_keeps_the_last_known_list() -> None:
+    registry = fleet(d1=answer(card("alpha")))
+    registry.record_models(D1.url, None, "/v1/models answered 500")
+    state = registry.get(D1.url)
+    assert state.served() == {"alpha"} and state.models_error == "/v1/models answered 500"
+    registry.record_models(D1.url, answer(card("alpha"), card("lora", "alpha")))
+    assert state.served() == {"alpha", "lora"} and state.models_error is None
+
+
+def test_roster_models_win_over_the_answer() -> None:
+    registry = Registry([Instance(role="decode", url="http://d:1", models=("alpha",))])
+    registry.record_models("http://d:1", answer(card("alpha"), card("other")))
+    assert registry.get("http://d:1").served() == {"alpha"}
+
+
+def test_discovered_models_survive_a_reload_through_the_snapshot() -> None:
+    old = fleet(d1=answer(card("alpha"), card("lora", "alpha")))
+    new = Registry([P1, P2, D1, D2])
+    new.restore(old.export())
+    assert new.get(D1.url).served() == {"alpha", "lora"}
+    assert new.get(D2.url).served() is None
+
+
+# -- routing by model ----------------------------------------------------------------------
+
+
+def test_every_stage_is_picked_among_instances_serving_the_model() -> None:
+    registry = fleet(d1=answer(card("alpha")), d2=answer(card("beta")),
+                     p1=answer(card("alpha")), p2=answer(card("beta")))
+    router = Router(registry)
+    assert {router.pick("decode", model="beta").url for _ in range(4)} == {D2.url}
+    assert {router.pick("prefill", model="alpha").url for _ in range(4)} == {P1.url}
+    assert {router.pick("decode").url for _ in range(4)} == {D1.url, D2.url}
+    with pytest.raises(NoBackend, match="serving model `gamma`"):
+        router.pick("decode", model="gamma")
+    assert [i.url for i in router.pick_many("prefill", 3, model="beta")] == [P2.url] * 3
+
+
+def test_an_instance_not_read_yet_is_a_candidate_for_any_model() -> None:
+    registry = fleet(d1=answer(card("alpha")))
+    assert [i.url for i in registry.live("decode", "beta")] == [D2.url]
+    assert [i.url for i in registry.live("decode", "alpha")] == [D1.url, D2.url]
+
+
+def test_prefill_must_run_the_model_on_the_decodes_base() -> None:
+    registry = fleet(d1=answer(card("alpha"), card("lora", "alpha")),
+                     p1=answer(card("beta"), card("lora", "beta")),
+                     p2=answer(card("alpha"), card("lora", "alpha")))
+    base = registry.base_of(D1.url, "lora")
+    assert base == "alpha"
+    assert [i.url for i in registry.live("prefill", "lora", base)] == [P2.url]
+    assert [i.url for i in registry.live("prefill", "lora")] == [P1.url, P2.url]
+
+
+def test_mooncake_pairs_are_filtered_by_model() -> None:
+    registry = fleet(p1=answer(card("alpha")), p2=answer(card("beta")))
+    found = BootstrapDiscovery(registry, transport=None, settings=Settings)  # type: ignore[arg-type]
+    found._engines[P1.url] = Engines(P1.bootstrap_url or "", ("a0", "a1"))
+    found._engines[P2.url] = Engines(P2.bootstrap_url or "", ("b0",))
+    assert {(p.instance.url, p.dp_rank) for p in found.placements("beta")} == {(P2.url, 0)}
+    assert {found.pick(model="alpha").engine_id for _ in range(4)} == {"a0", "a1"}
+    with pytest.raises(NoBackend, match="gamma"):
+        found.pick(model="gamma")
+
+
+# -- the catalog ---------------------------------------------------------------------------
+
+
+def catalog(registry: Registry) -> Catalog:
+    return Catalog(registry, lambda: "decode")
+
+
+def test_resolve_answers_404_503_or_the_model() -> None:
+    registry = fleet(d1=answer(card("alpha")), d2=answer(card("beta")))
+    cat = catalog(registry)
+    assert cat.resolve("alpha") == "alpha"
+    with pytest.raises(ModelNotFound) as info:
+        cat.resolve("gamma")
+    assert info.value.status == 404 and info.value.code == "model_not_found"
+    assert info.value.payload()["error"]["param"] == "model"
+    for _ in range(3):
+        registry.record_failure(D2.url, "down")
+    with pytest.raises(NoBackend, match="evicted"):
+        cat.resolve("beta")
+    # Prefills never make a model servable.
+    registry.record_models(P1.url, answer(card("delta")))
+    with pytest.raises(ModelNotFound):
+        cat.resolve("delta")
+
+
+def test_a_missing_model_is_the_only_base_model_or_400() -> None:
+    assert catalog(fleet()).resolve(None) is None  # nothing known: no filter, as before
+    one = fleet(d1=answer(card("alpha"), card("lora", "alpha")), d2=answer(card("alpha")))
+    assert catalog(one).resolve(None) == "alpha"
+    assert catalog(one).resolve("") == "alpha"
+    two = fleet(d1=answer(card("alpha")), d2=answer(card("beta")))
+    with pytest.raises(ClientError) as info:
+        catalog(two).resolve(None)
+    assert info.value.status == 400 and info.value.code == "model_required"
+    assert "`alpha`, `beta`" in info.value.message
+
+
+def test_listing_is_the_union_of_live_decode_side_instances() -> None:
+    assert catalog(fleet()).listing() is None
+    registry = fleet(d1=answer(card("alpha"), card("lora", "alpha")),
+                     d2=answer(card("alpha", created=2), card("beta")),
+                     p1=answer(card("prefill-only")))
+    doc = catalog(registry).listing()
+    assert doc is not None and doc["object"] == "list"
+    assert [c["id"] for c in doc["data"]] == ["alpha", "lora", "beta"]
+    assert doc["data"][1]["parent"] == "alpha"
+    for _ in range(3):
+        registry.record_failure(D2.url, "down")
+    assert [c["id"] for c in catalog(registry).listing()["data"]] == ["alpha", "lora"]
+
+
+# -- start and reload refuse the roster error ----------------------------------------------
+
+ORPHAN_MODEL = """instances:
+  - {role: prefill, url: "http://p:1", models: [llama, qwen]}
+  - {role: decode, url: "http://d:1", models: [llama]}
+"""
+
+
+def test_the_master_refuses_a_prefill_model_no_decode_serves(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    class Arbiter:
+        log = logging.getLogger("test.master")
+
+    path = tmp_path / "roster.yaml"
+    path.write_text(ORPHAN_MODEL)
+    monkeypatch.setenv("EPD_ROSTER", str(path))
+    monkeypatch.setenv(STATE_DIR_ENV, str(tmp_path / "state"))
+    monkeypatch.setattr(reload, "_handoff", None)
+    with pytest.raises(RuntimeError, match=r"cannot start.*http://p:1.*'qwen'"):
+        reload.start(Arbiter())
+    path.write_text(ORPHAN_MODEL.replace("models: [llama]}", "models: [llama, qwen]}"))
+    server = Arbiter()
+    reload.start(server)
+    try:
+        path.write_text(ORPHAN_MODEL)
+        with caplog.at_level(logging.ERROR, logger="test.master"):
+            reload.refresh(server)
+        assert "REJECTED" in caplog.text and "'qwen'" in caplog.text
+        state = StateDir.from_env()
+        assert state is not None and state.published().generation == 1
+    finally:
+        reload.cleanup(server)
