@@ -33,8 +33,10 @@ bind = _setting("EPD_BIND")
 # not the CPU limit: set EPD_WORKERS there.
 # Our subclass of gunicorn's gevent worker: it bounds the time a client takes to send a
 # request's head (EPD_HEADER_TIMEOUT; epd_flask/web/worker.py). `-k gevent` on the command
-# line would bring back the stock one, which gives a head the whole keepalive.
+# line forks the stock one, which gives a head the whole keepalive; post_fork upgrades it.
 worker_class = "epd_flask.web.worker.GeventWorker"
+#: What ``-k gevent`` names; post_fork upgrades it to ``worker_class``.
+STOCK_GEVENT_WORKER = "gunicorn.workers.ggevent.GeventWorker"
 workers = _setting("EPD_WORKERS")
 # Concurrent client connections per worker: open streams plus idle keep-alive connections
 # from nginx (up to its upstream `keepalive` per nginx worker process). A host carries
@@ -105,6 +107,18 @@ def on_reload(server):
     """SIGHUP: re-read the roster. A bad one is logged and the last good one stays; gunicorn
     then starts new workers from the good copy and lets the old ones finish their streams."""
     _epd_reload.on_reload(server)
+
+
+def post_fork(server, worker):
+    """``gunicorn -k gevent wsgi:app`` overrides ``worker_class`` above with gunicorn's stock
+    gevent worker, which has no bound on the time a client takes to send a request's head;
+    upgrade it to ours in the fresh child. Both are named, not imported: gunicorn loads worker
+    classes itself, and this module stays free of gevent."""
+    from gunicorn.util import load_class
+
+    stock = type(worker)
+    if f"{stock.__module__}.{stock.__qualname__}" == STOCK_GEVENT_WORKER:
+        load_class(worker_class).adopt(worker)
 
 
 def post_worker_init(worker):

@@ -90,11 +90,23 @@ class HeadDeadline:
 
 
 class GeventWorker(_StockGeventWorker):
-    """``worker_class`` in ``etc/gunicorn.conf.py``; ``-k gevent`` on the command line
-    would replace it with the stock worker (no header timeout)."""
+    """``worker_class`` of the packaged gunicorn configuration. ``-k gevent`` on the command
+    line (``gunicorn -k gevent wsgi:app``) makes gunicorn fork its stock worker instead; the
+    configuration's ``post_fork`` hook then upgrades it with ``adopt``."""
 
     def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)
+        self._bound_heads()
+
+    @classmethod
+    def adopt(cls, worker: _StockGeventWorker) -> None:
+        """Make a freshly forked stock gevent worker this class: same state, plus the header
+        deadline. Only before ``init_process`` (gunicorn's ``post_fork``), when nothing has
+        been read from a client yet."""
+        worker.__class__ = cls
+        worker._bound_heads()  # type: ignore[attr-defined]
+
+    def _bound_heads(self) -> None:
         self.header_timeout: float = read("EPD_HEADER_TIMEOUT")
         # The connection each handler greenlet serves, and whether its next head is its
         # first: gunicorn's timeout_ctx() is called without either.

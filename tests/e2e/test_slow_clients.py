@@ -73,11 +73,15 @@ def _trickle(url: str, head: bytes, body: bytes, out: Slow) -> None:
         sock.close()
 
 
-def test_slow_heads_and_bodies_are_cut_while_health_and_completions_are_served(procs) -> None:
+@pytest.mark.parametrize("command", [(), ("-k", "gevent")], ids=["configured", "k-gevent"])
+def test_slow_heads_and_bodies_are_cut_while_health_and_completions_are_served(
+        procs, command: tuple[str, ...]) -> None:
+    """Also with ``-k gevent`` on the command line (the canonical ``gunicorn -k gevent
+    wsgi:app``), which makes gunicorn fork its stock worker instead of ours."""
     p, d = procs["sim"]("prefill"), procs["sim"]("decode")
     gw = procs["gunicorn"](
         {"settings": {}, "instances": [{"role": "prefill", "url": p.url},
-                                       {"role": "decode", "url": d.url}]},
+                                       {"role": "decode", "url": d.url}]}, *command,
         env={"EPD_WORKER_CONNECTIONS": str(CONNECTIONS), "EPD_MAX_IN_FLIGHT": str(IN_FLIGHT),
              "EPD_HEADER_TIMEOUT": str(HEADER_TIMEOUT), "EPD_BODY_TIMEOUT": str(BODY_TIMEOUT)})
     host = urlsplit(gw.url).netloc
