@@ -91,7 +91,7 @@ def create_app(config: ProxyConfig | None = None, roster: Roster | None = None) 
     app = Flask("epd_flask")
     app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
     context.configure(config.log_format, config.log_upstream)
-    metrics.install()
+    metrics.install(config.state_dir)
     svc = app.extensions[EXTENSION] = build_services(config, roster, generation)
     app.wsgi_app = InFlightMiddleware(  # type: ignore[method-assign]
         BodyDeadline(app.wsgi_app, config.body_timeout), svc.inflight)

@@ -22,6 +22,8 @@ from epd_flask.control.roster import Roster, RosterError, load, roster_path
 from epd_flask.control.statedir import STATE_DIR_ENV, StateDir
 
 STATE_DIR_PREFIX = "epd-flask-"
+#: The reload tally's source label for what the master does on SIGHUP.
+SIGHUP = "sighup"
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,7 @@ def start(server: Any) -> None:
         cleanup(server)
         raise RuntimeError(f"cannot start epd-flask: {exc}") from None
     with state.lock():
+        state.reset_reloads()
         generation = state.publish(roster, f"start from {path}")
     _handoff = Handoff(roster, generation, path)
     server.log.info("roster %s: generation %d, %s; state in %s", path, generation,
@@ -134,9 +137,11 @@ def _refresh_once(server: Any) -> None:
         server.log.error(
             "roster reload REJECTED, still serving the last good roster%s: %s",
             f" (generation {last.generation}, {_summary(last.roster)})" if last else "", exc)
+        _count(server, "rejected")
         return
     except Exception:
         server.log.exception("roster reload failed; still serving the last good roster")
+        _count(server, "rejected")
         return
     state = StateDir.from_env()
     generation = (_handoff.generation if _handoff else 0) + 1
@@ -154,6 +159,19 @@ def _refresh_once(server: Any) -> None:
                              "now inherit it directly", state.path if state else "?")
     _handoff = Handoff(roster, generation, path)
     server.log.info("roster %s reloaded: generation %d, %s", path, generation, _summary(roster))
+    _count(server, "ok")
+
+
+def _count(server: Any, outcome: str) -> None:
+    """Tally the reload in the state directory (``epd_roster_reloads_total``); never raises."""
+    state = StateDir.from_env()
+    if state is None:
+        return
+    try:
+        with state.lock():
+            state.record_reload(SIGHUP, outcome)
+    except Exception:
+        server.log.exception("cannot count the roster reload in %s", state.path)
 
 
 def cleanup(server: Any) -> None:

@@ -1,9 +1,12 @@
 """The runtime state directory a gunicorn master shares with its workers.
 
 It holds the published roster (the last validated copy with a generation number, written by
-the master on start and reload and by a worker after an admin change, read by every worker)
-and one health snapshot per worker, so that workers started by a reload inherit what their
-predecessors learned. Light enough for the master: JSON files, ``fcntl`` and our roster schema.
+the master on start and reload and by a worker after an admin change, read by every worker),
+one health snapshot per worker, so that workers started by a reload inherit what their
+predecessors learned, and the tally of roster reloads by source and outcome (the master
+counts SIGHUP reloads here, where it cannot use prometheus_client, and workers count admin
+changes beside them; any worker's ``/metrics`` shows the tally). Light enough for the
+master: JSON files, ``fcntl`` and our roster schema.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ logger = logging.getLogger(__name__)
 STATE_DIR_ENV = "EPD_STATE_DIR"
 PUBLISHED_FILE = "roster.json"
 LOCK_FILE = "lock"
+RELOADS_FILE = "reloads.json"
 HEALTH_PREFIX = "health-"
 HEALTH_SUFFIX = ".json"
 LOCK_TIMEOUT = 5.0
@@ -111,6 +115,32 @@ class StateDir:
                "roster": roster.model_dump(mode="json")}
         atomic_write(self.path / PUBLISHED_FILE, json.dumps(doc, indent=1).encode())
         return generation
+
+    # -- the reload tally ----------------------------------------------------------------
+
+    def record_reload(self, source: str, outcome: str) -> None:
+        """Count one reload (``source`` sighup or admin, ``outcome`` ok or rejected); the
+        caller holds ``lock()``."""
+        tally = self.reloads()
+        key = f"{source}/{outcome}"
+        tally[key] = tally.get(key, 0) + 1
+        atomic_write(self.path / RELOADS_FILE, json.dumps(tally).encode())
+
+    def reloads(self) -> dict[str, int]:
+        """``{"source/outcome": count}``; empty when nothing was counted or it cannot be read
+        (atomic replacement means a reader never sees half a file)."""
+        try:
+            doc = json.loads((self.path / RELOADS_FILE).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return {}
+        if not isinstance(doc, dict):
+            return {}
+        return {str(k): int(v) for k, v in doc.items() if isinstance(v, int)}
+
+    def reset_reloads(self) -> None:
+        """A new master starts counting from zero, as its metrics directory does."""
+        with contextlib.suppress(FileNotFoundError):
+            (self.path / RELOADS_FILE).unlink()
 
     # -- health snapshots ----------------------------------------------------------------
 

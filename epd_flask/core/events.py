@@ -70,8 +70,10 @@ rejoined: EventHook[[str, str]] = EventHook()
 fleet: EventHook[[Sequence[FleetEntry]]] = EventHook()
 #: Every model name some instance of the roster serves, after any change to them.
 models: EventHook[[Sequence[str]]] = EventHook()
-#: A roster reload was applied (``ok``) or refused (not ``ok``).
-reload: EventHook[[bool]] = EventHook()
+#: A roster reload was applied (``ok``) or refused (not ``ok``): (source, ok); the source is
+#: ``admin`` for an admin API change (the master's SIGHUP reloads are tallied in the state
+#: directory, see observe/metrics.py).
+reload: EventHook[[str, bool]] = EventHook()
 #: This worker's client requests in flight changed: (in flight, its cap).
 load: EventHook[[int, int]] = EventHook()
 #: A client request was refused before it started: (reason, e.g. ``overloaded``).

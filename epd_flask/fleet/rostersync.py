@@ -20,12 +20,15 @@ from epd_flask.control import rosterfile
 from epd_flask.control.roster import Instance, Roster
 from epd_flask.control.rosterfile import Change
 from epd_flask.control.statedir import StateDir
+from epd_flask.core import events
 from epd_flask.core.periodic import Periodic
 from epd_flask.fleet.registry import Registry
 
 logger = logging.getLogger(__name__)
 
 SYNC_INTERVAL = 0.2  # seconds: how soon a worker follows a change published by another
+#: The reload tally's source label for admin API changes.
+ADMIN = "admin"
 
 
 class RosterHolder(Protocol):
@@ -74,14 +77,14 @@ class Fleet:
     # -- admin changes -------------------------------------------------------------------
 
     def register(self, inst: Instance) -> Change:
-        with self._locked():
+        with self._changing():
             change = rosterfile.register(self.roster_path, inst)
             if change.status != "unchanged":
                 self._publish(change.roster, f"{change.status} {inst.url} through the admin API")
         return change
 
     def unregister(self, url: str) -> Change:
-        with self._locked():
+        with self._changing():
             change = rosterfile.unregister(self.roster_path, url)
             self._publish(change.roster, f"removed {url} through the admin API")
         return change
@@ -113,6 +116,27 @@ class Fleet:
             else:
                 with self.state.lock():
                     yield
+
+    @contextlib.contextmanager
+    def _changing(self) -> Iterator[None]:
+        """One admin change: serialised with every other writer of the roster, and counted
+        as a reload applied or refused, in the state directory beside the master's SIGHUP
+        reloads (``epd_roster_reloads_total``)."""
+        with self._locked():
+            try:
+                yield
+            except BaseException:
+                self._count_reload(ok=False)
+                raise
+            self._count_reload(ok=True)
+
+    def _count_reload(self, ok: bool) -> None:
+        if self.state is not None:
+            try:
+                self.state.record_reload(ADMIN, "ok" if ok else "rejected")
+            except OSError as exc:
+                logger.error("cannot count the roster change in %s: %s", self.state.path, exc)
+        events.reload.fire(ADMIN, ok)
 
     def _publish(self, roster: Roster, origin: str) -> None:
         """Every worker must follow, not only this one: publish, then adopt here at once (the

@@ -19,10 +19,13 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import multiprocess as prom_multiprocess
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from epd_flask.control import settings
 from epd_flask.control.metricsdir import ENV as MULTIPROC_ENV
+from epd_flask.control.statedir import StateDir
 from epd_flask.core import events
 from epd_flask.core.events import FleetEntry
 from epd_flask.core.periodic import Periodic
@@ -43,6 +46,8 @@ SEVERAL_INSTANCES = "several"
 # /status compares the newest sample with one this old.
 STATUS_WINDOW_SECONDS = 300.0
 SAMPLE_INTERVAL_SECONDS = 10.0
+RELOAD_SOURCES = ("sighup", "admin")
+RELOAD_OUTCOMES = ("ok", "rejected")
 
 MULTIPROCESS = bool(settings.read(MULTIPROC_ENV))
 _REGISTRY: CollectorRegistry | None = None if MULTIPROCESS else CollectorRegistry()
@@ -79,8 +84,6 @@ EVICTIONS = Counter("epd_evictions_total", "Instances evicted (each worker decid
                     ["role", "instance"], registry=_REGISTRY)
 REJOINS = Counter("epd_rejoins_total", "Evicted instances that rejoined (per worker).",
                   ["role", "instance"], registry=_REGISTRY)
-RELOADS = Counter("epd_roster_reloads_total", "Roster reloads, applied (ok) or refused "
-                  "(rejected).", ["result"], registry=_REGISTRY)
 IN_FLIGHT = Gauge("epd_upstream_in_flight", "Upstream calls open right now, per instance.",
                   ["role", "instance"], multiprocess_mode="livesum", registry=_REGISTRY)
 INSTANCES = Gauge("epd_instances", "Roster instances per role that are live or evicted (the "
@@ -129,8 +132,6 @@ REFUSED = Counter("epd_requests_refused_total", "Client requests refused before 
 # Series an alert takes increase() of exist from the start at 0: a counter that first appears
 # already at 1 shows no increase to Prometheus, and its first event would never alert.
 REFUSED.labels("overloaded")
-RELOADS.labels("ok")
-RELOADS.labels("rejected")
 ENDED_BY_SHUTDOWN = Counter(
     "epd_requests_ended_by_shutdown_total", "Requests a stopping worker ended (with an "
     "in-band error, or a 503) because they outlived its grace period.", registry=_REGISTRY)
@@ -247,8 +248,8 @@ class MetricsObserver:
     def models(self, names: Sequence[str]) -> None:
         self.models_known.update(names)
 
-    def reload(self, ok: bool) -> None:
-        record_reload(ok)
+    def reload(self, source: str, ok: bool) -> None:
+        RELOADS.count_local(source, "ok" if ok else "rejected")
 
     def load(self, in_flight: int, limit: int) -> None:
         CLIENT_IN_FLIGHT.set(in_flight)
@@ -265,14 +266,44 @@ class MetricsObserver:
 OBSERVER = MetricsObserver()
 
 
-def install() -> None:
-    """Subscribe the metrics to the serving path's events (idempotent)."""
+class ReloadsCollector(Collector):
+    """``epd_roster_reloads_total{source,outcome}``, read from the state directory's tally at
+    scrape time: SIGHUP reloads happen in the gunicorn master, which cannot load
+    prometheus_client (it imports ``ssl``), so the master counts them there and every worker
+    shows the count; workers count admin changes beside them. A process without a state
+    directory (a lone app) shows its own admin changes, counted from its events. Every
+    series exists from the start at 0, so an alert's increase() sees the first reload."""
+
+    def __init__(self) -> None:
+        self.state: StateDir | None = None
+        self._local: dict[str, int] = {}
+
+    def count_local(self, source: str, outcome: str) -> None:
+        key = f"{source}/{outcome}"
+        self._local[key] = self._local.get(key, 0) + 1
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        tally = self.state.reloads() if self.state is not None else self._local
+        family = CounterMetricFamily(
+            "epd_roster_reloads", "Roster reloads by source (sighup: the master re-read the "
+            "file; admin: an admin API change) and outcome (ok: applied, rejected: refused, "
+            "the last good roster kept).", labels=["source", "outcome"])
+        for source in RELOAD_SOURCES:
+            for outcome in RELOAD_OUTCOMES:
+                family.add_metric([source, outcome], tally.get(f"{source}/{outcome}", 0))
+        yield family
+
+
+RELOADS = ReloadsCollector()
+if _REGISTRY is not None:
+    _REGISTRY.register(RELOADS)
+
+
+def install(state_dir: str | None = None) -> None:
+    """Subscribe the metrics to the serving path's events (idempotent); ``state_dir`` is
+    where reloads are tallied."""
     OBSERVER.listen()
-
-
-def record_reload(ok: bool) -> None:
-    """For the roster reload: count one applied (``ok``) or refused reload."""
-    RELOADS.labels("ok" if ok else "rejected").inc()
+    RELOADS.state = StateDir(state_dir) if state_dir else None
 
 
 def _collecting_registry() -> CollectorRegistry:
@@ -280,6 +311,7 @@ def _collecting_registry() -> CollectorRegistry:
         return _REGISTRY
     registry = CollectorRegistry()
     prom_multiprocess.MultiProcessCollector(registry)
+    registry.register(RELOADS)
     return registry
 
 

@@ -220,7 +220,7 @@ def build(now: Snapshot, then: Snapshot | None, fleet: Sequence[FleetEntry],
             ("Probe failures", "epd_probe_failures_total", ["instance"]),
             ("Evictions", "epd_evictions_total", ["instance"]),
             ("Rejoins", "epd_rejoins_total", ["instance"]),
-            ("Roster reloads", "epd_roster_reloads_total", ["result"])):
+            ("Roster reloads", "epd_roster_reloads_total", ["source", "outcome"])):
         items = [(" ".join(k), n) for k, n in sorted(summed(delta(now, then, name), by).items())
                  if n > 0]
         counters.append((title, items))

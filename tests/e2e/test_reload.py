@@ -19,6 +19,7 @@ import requests
 import yaml
 
 from epd_flask.core.errors import instance_label
+from tests.helpers import sample, scrape
 
 pytestmark = pytest.mark.e2e
 
@@ -198,12 +199,19 @@ def test_reload_under_stream_load(procs, tmp_path) -> None:
     assert "dp_sise" in rejected[0][2] and "unknown key" in rejected[0][2]
     assert any(t > mark for t in completion_times(d2))
     assert any(t > mark for t in completion_times(d3))
+    # The master counted both applied reloads and the refused one, and a worker shows them
+    # (gunicorn may re-read a file changed before its queued reload ran: at least, then).
+    samples = scrape(gw.url)
+    applied = sample(samples, "epd_roster_reloads_total", source="sighup", outcome="ok")
+    refused = sample(samples, "epd_roster_reloads_total", source="sighup", outcome="rejected")
+    assert applied >= 2 and refused >= 1, (applied, refused)
     workers = {pid for _, pid, _ in log_lines(gw, "epd_flask.")} - {master}
     print(f"\n{len(results)} short + {len(long_results)} long streams, 0 failed, 0 truncated; "
           f"{len(workers)} worker pids over 3 reloads"
           f"\nSIGHUP -> first request on the added decode: {first_d3 - hup1:.3f} s"
           f"\nSIGHUP -> last new request on the removed decode: {last_d1 - hup2:.3f} s"
-          f"\nSIGHUP -> broken roster rejected in the log: <= {seen_rejected - hup3:.3f} s")
+          f"\nSIGHUP -> broken roster rejected in the log: <= {seen_rejected - hup3:.3f} s"
+          f"\nepd_roster_reloads_total sighup: ok={applied:g} rejected={refused:g}")
 
 
 def test_dead_decode_is_evicted_then_rejoins(procs, tmp_path) -> None:

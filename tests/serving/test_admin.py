@@ -12,7 +12,7 @@ import yaml
 
 from epd_flask.control.roster import load
 from epd_flask.control.statedir import StateDir
-from tests.helpers import pd_roster
+from tests.helpers import pd_roster, sample, scrape
 
 KEY = "s3cret-admin"
 AUTH = {"X-API-Key": KEY}
@@ -106,6 +106,36 @@ def test_conflicts_are_409_and_bad_fields_422(fleet) -> None:
     not_json = requests.post(px.url + "/instances", data=b"{", headers=AUTH, timeout=5)
     assert not_json.status_code == 400
     assert path.read_text() == before
+
+
+def reloads(px: Any) -> dict[str, float]:
+    samples = scrape(px.url)
+    return {f"{s}/{o}": sample(samples, "epd_roster_reloads_total", source=s, outcome=o)
+            for s in ("admin", "sighup") for o in ("ok", "rejected")}
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_admin_changes_count_as_reloads(fleet, tmp_path: Path, shared: bool) -> None:
+    """Applied and refused admin changes move ``epd_roster_reloads_total``; with a state
+    directory (gunicorn's workers) every worker shows the same tally."""
+    _, d1, d2, _, start = fleet
+    config = {}
+    if shared:
+        StateDir(tmp_path / "state").ensure()
+        config["state_dir"] = str(tmp_path / "state")
+    a = start(**config)
+    b = start(**config) if shared else a
+    before = reloads(b)
+    assert post(a, {"role": "decode", "url": d2.url}).status_code == 201
+    assert post(a, {"role": "prefill", "url": d1.url}).status_code == 409
+    assert requests.delete(a.url + "/instances", params={"url": "http://nowhere:1"},
+                           headers=AUTH, timeout=5).status_code == 404
+    assert post(a, {"role": "decoder", "url": d2.url}).status_code == 422  # not a change
+    after = reloads(b)
+    assert {k: after[k] - before[k] for k in after} == {
+        "admin/ok": 1, "admin/rejected": 2, "sighup/ok": 0, "sighup/rejected": 0}
+    if shared:
+        assert StateDir(tmp_path / "state").reloads() == {"admin/ok": 1, "admin/rejected": 2}
 
 
 def test_re_registering_never_resets_health(fleet) -> None:

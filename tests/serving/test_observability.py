@@ -130,7 +130,7 @@ def test_counters_that_alerts_watch_are_exported_before_their_first_event(sim, p
     """Prometheus sees no increase in a counter whose first sample is already 1, so the
     first refusal or rejected reload would never alert (etc/prometheus/epd-flask.rules.yml)."""
     px = proxy(pd_roster([sim("prefill")], [sim("decode")]))
-    names = {(name, dict(labels).get("reason") or dict(labels).get("result"))
+    names = {(name, dict(labels).get("reason") or dict(labels).get("outcome"))
              for name, labels in scrape(px.url)}
     assert {("epd_requests_refused_total", "overloaded"), ("epd_roster_reloads_total", "ok"),
             ("epd_roster_reloads_total", "rejected")} <= names

@@ -278,6 +278,18 @@ def test_master_publishes_a_good_roster_and_keeps_it_on_a_bad_edit(
     path.write_text("instances: [\n")
     reload.refresh(server)  # broken YAML: rejected too, never raised
     assert "not valid YAML" in caplog.text
+    # Every pass is counted where the workers' /metrics reads it (the start is not a reload).
+    assert state.reloads() == {"sighup/ok": 2, "sighup/rejected": 2}
+
+
+def test_a_new_master_counts_reloads_from_zero(master: Any) -> None:
+    server, _ = master
+    state = StateDir.from_env()
+    assert state is not None
+    reload.refresh(server)
+    assert state.reloads() == {"sighup/ok": 1}
+    reload.start(server)
+    assert state.reloads() == {}
 
 
 def test_workers_boot_from_the_master_copy_when_the_state_dir_is_gone(master: Any) -> None:

@@ -1,0 +1,130 @@
+"""Every metric the README documents moves when what it counts happens.
+
+One fleet (an encoder, a prefill, two decodes) and a proxy go through what an operator would
+watch for: multimodal and streamed requests, a retried decode failure, a probe failure that
+evicts an instance and its rejoin, admin changes applied and refused, a request refused at the
+in-flight cap, and a stream ended by a stopping worker. ``/metrics`` is scraped over HTTP
+after each step; a documented metric whose series never changed between two scrapes fails the
+test, and so does a documented name the exposition does not know. A metric added to the README
+without anything that moves it fails here until a step does.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import gevent
+import requests
+import yaml
+
+from tests.helpers import RawStream, Samples, scrape
+
+README = Path(__file__).parents[2] / "README.md"
+KEY = "metrics-admin-key"
+CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "tell me a story"}],
+        "temperature": 0, "max_tokens": 4}
+IMAGE = {"type": "image_url", "image_url": {"url": "https://media.invalid/m.png"}}
+SUFFIXES = ("_bucket", "_count", "_sum", "_created")
+
+
+def documented() -> set[str]:
+    """The metric names in the README's table of metrics (first column, backquoted)."""
+    names: set[str] = set()
+    for line in README.read_text(encoding="utf-8").splitlines():
+        if line.startswith("| `epd_"):
+            first = line.split("|")[1]
+            names.update(re.findall(r"`(epd_[a-z_]+)`", first))
+    return names
+
+
+def family(sample_name: str) -> str:
+    for suffix in SUFFIXES:
+        if sample_name.endswith(suffix):
+            return sample_name[: -len(suffix)]
+    return sample_name
+
+
+def moved(before: Samples, after: Samples) -> set[str]:
+    """Families with a series that appeared or changed value between two scrapes."""
+    return {family(name) for (name, labels), value in after.items()
+            if before.get((name, labels)) != value}
+
+
+def test_every_documented_metric_moves(sim, proxy, tmp_path: Path) -> None:
+    names = documented()
+    assert len(names) >= 20, names  # the table was found
+    e, p = sim("encode"), sim("prefill")
+    d1 = sim("decode", token_delay=0.05, output_tokens=400)
+    d2 = sim("decode", token_delay=0.05, output_tokens=400)
+    doc = {"settings": {"fail_threshold": 1, "probe_interval": 60},
+           "instances": [{"role": "encode", "url": e.url}, {"role": "prefill", "url": p.url},
+                         {"role": "decode", "url": d1.url}]}
+    roster = tmp_path / "roster.yaml"
+    roster.write_text(yaml.safe_dump(doc))
+    px = proxy(doc, roster_path=str(roster), admin_api_key=KEY, max_in_flight=2)
+    seen: set[str] = set()
+    last = scrape(px.url)
+
+    def step() -> None:
+        nonlocal last
+        now = scrape(px.url)
+        seen.update(moved(last, now))
+        last = now
+
+    # Probes (last-probe gauges, live instances) and the admin API (a reload applied, one
+    # refused): d2 joins the roster.
+    px.services.prober.probe_all()
+    step()
+    auth = {"X-API-Key": KEY}
+    assert requests.post(px.url + "/instances", json={"role": "decode", "url": d2.url},
+                         headers=auth, timeout=5).status_code == 201
+    assert requests.post(px.url + "/instances", json={"role": "prefill", "url": d1.url},
+                         headers=auth, timeout=5).status_code == 409
+    px.services.prober.probe_all()
+    step()
+    # Requests: a multimodal one (encode, prefill and decode stages), a stream (chunks).
+    image = {**CHAT, "messages": [{"role": "user", "content": [IMAGE]}]}
+    assert requests.post(px.url + "/v1/chat/completions", json=image, timeout=10).ok
+    with requests.post(px.url + "/v1/chat/completions", json={**CHAT, "stream": True},
+                       stream=True, timeout=10) as r:
+        assert r.status_code == 200 and r.content.endswith(b"data: [DONE]\n\n")
+    step()
+    # A decode failure before the first byte: an upstream error, retried on the other decode
+    # (round robin sends one of two requests to d1 first).
+    d1.state.inject(fail_next=1)
+    for _ in range(2):
+        assert requests.post(px.url + "/v1/chat/completions", json=CHAT, timeout=10).ok
+    step()
+    # A failed probe evicts d1 (fail_threshold 1); a passing one readmits it.
+    d1.state.inject(health_fail=True)
+    px.services.prober.probe_all()
+    step()
+    d1.state.inject(health_fail=False)
+    px.services.prober.probe_all()
+    step()
+    # Two long streams hold the cap of 2: upstream and client in-flight gauges rise, and a
+    # third request is refused; then the worker stops and ends both streams.
+    streams = [RawStream(px.url, "/v1/chat/completions", {**CHAT, "max_tokens": 400,
+                                                          "stream": True}) for _ in range(2)]
+    for s in streams:
+        s.first_event()
+    refused = requests.post(px.url + "/v1/chat/completions", json=CHAT, timeout=10)
+    assert refused.status_code == 503
+    step()
+    ended = gevent.spawn(px.services.drain.run, 0.1)
+    assert ended.get(timeout=10) == 2
+    for s in streams:
+        s.hang_up()
+    with gevent.Timeout(5):
+        while px.services.inflight.count:
+            gevent.sleep(0.01)
+    step()
+    # The per-worker cap is a setting: another worker (app) with another cap reports it.
+    other = proxy(doc, max_in_flight=3)
+    assert requests.post(other.url + "/v1/chat/completions", json=CHAT, timeout=10).ok
+    step()
+
+    known = {family(name) for name, _ in last}
+    assert names <= known, f"documented but never exposed: {sorted(names - known)}"
+    assert names <= seen, f"documented but never moved: {sorted(names - seen)}"
