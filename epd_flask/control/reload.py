@@ -18,7 +18,14 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-from epd_flask.control.roster import Roster, RosterError, load, roster_path
+from epd_flask.control import settings
+from epd_flask.control.roster import (
+    Roster,
+    RosterError,
+    admin_write_problem,
+    load,
+    roster_path,
+)
 from epd_flask.control.statedir import STATE_DIR_ENV, StateDir
 
 STATE_DIR_PREFIX = "epd-flask-"
@@ -61,6 +68,13 @@ def start(server: Any) -> None:
     except RosterError as exc:
         cleanup(server)
         raise RuntimeError(f"cannot start epd-flask: {exc}") from None
+    problem = admin_write_problem(path) if settings.read("ADMIN_API_KEY") else None
+    if problem:
+        cleanup(server)
+        raise RuntimeError(
+            f"cannot start epd-flask: ADMIN_API_KEY enables the admin API, which writes the "
+            f"roster file {path}, but {problem}. Mount the roster writable, or leave "
+            "ADMIN_API_KEY unset and change the roster by editing it and sending SIGHUP.")
     with state.lock():
         state.reset_reloads()
         generation = state.publish(roster, f"start from {path}")

@@ -291,6 +291,19 @@ def load(path: str | os.PathLike[str]) -> Roster:
     return parse(doc, source)
 
 
+def admin_write_problem(path: str | os.PathLike[str]) -> str | None:
+    """Why the admin API could not replace the roster file at ``path``, or None if it can.
+
+    It replaces the file the path resolves to (a symlink keeps its link) by writing a new
+    file beside it, so that file's directory must be writable: a read-only mount (a
+    Kubernetes ConfigMap) is not.
+    """
+    folder = os.path.dirname(os.path.realpath(path))
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"its directory {folder} is not writable (a read-only mount?)"
+    return None
+
+
 def roster_path(environ: dict[str, str] | None = None) -> str:
     return declared.read("EPD_ROSTER", environ)
 

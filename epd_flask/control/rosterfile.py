@@ -7,6 +7,7 @@ Only workers import this (ruamel.yaml stays out of the gunicorn master).
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 from dataclasses import dataclass
@@ -31,6 +32,10 @@ class RosterFileError(RosterError):
 
 class RosterWriteError(RosterError):
     """The edited roster could not be written (read-only mount, full disk)."""
+
+    def __init__(self, message: str, read_only: bool = False) -> None:
+        super().__init__(message)
+        self.read_only = read_only
 
 
 @dataclass(frozen=True)
@@ -158,6 +163,10 @@ def _write(target: Path, doc: Any) -> Roster:
     try:
         atomic_write(target, text.encode("utf-8"))
     except OSError as exc:
+        read_only = exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM)
         raise RosterWriteError(
-            f"{target}: cannot write the roster file: {exc.strerror or exc}") from None
+            f"{target}: cannot write the roster file: {exc.strerror or exc}"
+            + ("; it is read-only here, so the admin API cannot change it (edit the file "
+               "where it comes from and send SIGHUP)" if read_only else ""),
+            read_only) from None
     return roster

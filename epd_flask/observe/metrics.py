@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import multiprocess as prom_multiprocess
 from prometheus_client.core import CounterMetricFamily
-from prometheus_client.registry import Collector
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 
 from epd_flask.control import settings
 from epd_flask.control.metricsdir import ENV as MULTIPROC_ENV

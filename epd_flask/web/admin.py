@@ -152,6 +152,8 @@ def _change(action: Any, arg: Any) -> Any:
     except RosterFileError as exc:
         raise Conflict(str(exc), code="roster_file_invalid") from None
     except RosterWriteError as exc:
+        if exc.read_only:
+            raise Conflict(str(exc), code="roster_read_only") from None
         raise ProxyError(str(exc), code="roster_write_failed") from None
     except TimeoutError as exc:
         raise ProxyError(f"the roster is being changed by another process: {exc}",

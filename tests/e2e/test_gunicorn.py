@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import requests
+import yaml
 
-from tests.helpers import RawStream
+from tests.helpers import RawStream, free_port
+
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.e2e
 
@@ -132,3 +139,63 @@ def test_the_repository_config_file_reexports_the_packaged_one(procs) -> None:
     again = requests.post(gw.url + "/v1/chat/completions", json={**CHAT, "max_tokens": 4},
                           timeout=30)
     assert again.status_code == 200 and gw.proc.poll() is None
+
+
+def _unwritable(folder: Path) -> None:
+    """Make ``folder`` unwritable for this process, as a read-only mount is: permissions for
+    an ordinary user; for root (which ignores them) the immutable attribute."""
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        return
+    done = subprocess.run(["chattr", "+i", str(folder)], capture_output=True, check=False)
+    if done.returncode != 0 or os.access(folder, os.W_OK):
+        pytest.skip(f"cannot make a directory unwritable for root here: {done.stderr!r}")
+
+
+def _writable(folder: Path) -> None:
+    if os.geteuid() == 0:
+        subprocess.run(["chattr", "-i", str(folder)], capture_output=True, check=False)
+    folder.chmod(0o755)
+
+
+def test_admin_api_over_a_read_only_roster_refuses_to_start(tmp_path) -> None:
+    """The Kubernetes example mounts its roster (a ConfigMap) read-only; with ADMIN_API_KEY
+    set there, every registration would fail. gunicorn refuses to start instead, before it
+    listens, naming the setting, the directory and the fix; without the key the same
+    read-only roster is served. The roster is the example's own."""
+    configmap = yaml.safe_load((ROOT / "etc" / "k8s" / "configmap.yaml").read_text())
+    folder = tmp_path / "roster"
+    folder.mkdir()
+    roster_file = folder / "roster.yaml"
+    roster_file.write_text(configmap["data"]["roster.yaml"])
+    _unwritable(folder)
+    try:
+        port = free_port()
+        env = {**os.environ, "EPD_ROSTER": str(roster_file), "PORT": str(port),
+               "EPD_WORKERS": "1", "EPD_STATE_DIR": str(tmp_path / "state"),
+               "ADMIN_API_KEY": "k8s-admin-key-0123456789"}
+        env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        done = subprocess.run([sys.executable, "-m", "gunicorn", "wsgi:app"], cwd=ROOT,
+                              env=env, capture_output=True, timeout=60, check=False)
+        out = done.stdout.decode(errors="replace") + done.stderr.decode(errors="replace")
+        assert done.returncode != 0, out[-2000:]
+        assert "ADMIN_API_KEY" in out and f"{folder} is not writable" in out, out
+        assert "Listening at" not in out
+        env.pop("ADMIN_API_KEY")
+        with subprocess.Popen([sys.executable, "-m", "gunicorn", "wsgi:app"], cwd=ROOT,
+                              env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, start_new_session=True) as proc:
+            try:
+                deadline = time.monotonic() + 20
+                up = False
+                while time.monotonic() < deadline and proc.poll() is None and not up:
+                    with contextlib.suppress(requests.RequestException):
+                        up = requests.get(f"http://127.0.0.1:{port}/health",
+                                          timeout=1).status_code == 200
+                    time.sleep(0.05)
+                assert up, "gunicorn did not serve the read-only roster without the admin API"
+            finally:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=30)
+    finally:
+        _writable(folder)

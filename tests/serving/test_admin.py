@@ -3,6 +3,8 @@ worker (two apps sharing one state directory stand in for two gunicorn workers).
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -162,6 +164,32 @@ def test_an_invalid_roster_file_is_not_overwritten(fleet) -> None:
     r = post(px, {"role": "decode", "url": d2.url})
     assert r.status_code == 409 and r.json()["error"]["code"] == "roster_file_invalid"
     assert "typo" in r.json()["error"]["message"] and "typo" in path.read_text()
+
+
+def test_a_read_only_roster_is_a_409_that_says_so(fleet, tmp_path: Path) -> None:
+    """A roster that turned read-only after start (gunicorn refuses to start on one) is not
+    a server fault: 409 ``roster_read_only`` naming the fix, and nothing changes."""
+    _, _, d2, path, start = fleet
+    folder = path.parent
+    px = start()
+    as_root = os.geteuid() == 0
+    if as_root:
+        made = subprocess.run(["chattr", "+i", str(folder)], capture_output=True, check=False)
+        if made.returncode != 0:
+            pytest.skip(f"cannot make a directory unwritable for root here: {made.stderr!r}")
+    else:
+        folder.chmod(0o555)
+    try:
+        r = post(px, {"role": "decode", "url": d2.url})
+    finally:
+        if as_root:
+            subprocess.run(["chattr", "-i", str(folder)], capture_output=True, check=False)
+        folder.chmod(0o755)
+    assert r.status_code == 409, r.text
+    err = r.json()["error"]
+    assert err["code"] == "roster_read_only" and "SIGHUP" in err["message"]
+    assert d2.url not in path.read_text()
+    assert d2.url not in [i.url for i in px.services.registry.instances("decode")]
 
 
 def test_a_change_in_one_worker_reaches_the_others(fleet, tmp_path: Path) -> None:

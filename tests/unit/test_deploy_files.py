@@ -164,6 +164,20 @@ def test_k8s_roster_configmap_is_a_valid_roster() -> None:
     assert roster.by_role("prefill") and roster.by_role("decode")
 
 
+def test_k8s_example_keeps_the_admin_api_off_its_read_only_roster() -> None:
+    """The roster is a ConfigMap, mounted read-only: the admin API, which writes the roster
+    file, stays off there (gunicorn would refuse to start with ADMIN_API_KEY set; tests/e2e
+    test_gunicorn starts it over this roster both ways)."""
+    spec = k8s_objects()["Deployment"]["spec"]["template"]["spec"]
+    app = next(c for c in spec["containers"] if c["name"] == "epd-flask")
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    roster_dir = str(Path(env_of(app)["EPD_ROSTER"]).parent)
+    mount = next(m for m in app["volumeMounts"] if m["mountPath"] == roster_dir)
+    assert mount.get("readOnly") is True or "configMap" in volumes[mount["name"]]
+    assert "ADMIN_API_KEY" not in env_of(app)
+    assert not app.get("envFrom"), "a secret or ConfigMap could set ADMIN_API_KEY"
+
+
 def env_of(container: dict[str, Any]) -> dict[str, str]:
     return {e["name"]: e["value"] for e in container.get("env", [])}
 
