@@ -34,6 +34,8 @@ def exported_names() -> set[str]:
             names.update(value._name + suffix for suffix in ("_bucket", "_count", "_sum"))
         elif isinstance(value, Gauge):
             names.add(value._name)
+        elif isinstance(value, metrics.ReloadsCollector):  # read at scrape time, not a metric
+            names.update(s.name for family in value.collect() for s in family.samples)
     return names
 
 
