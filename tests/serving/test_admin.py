@@ -199,7 +199,8 @@ def test_a_change_in_one_worker_reaches_the_others(fleet, tmp_path: Path) -> Non
     state = tmp_path / "state"
     StateDir(state).ensure()
     a, b = start(state_dir=str(state)), start(state_dir=str(state))
-    a.services.fleet.start()
+    # a's sync greenlet stays off: in one test process every app writes the same
+    # health-<pid>.json, and a's view (d1 live) written after b's would hide b's eviction.
     b.services.fleet.start()
     assert post(a, {"role": "decode", "url": d2.url}).status_code == 201
     b.services.fleet.sync()  # what b's sync greenlet does every SYNC_INTERVAL
