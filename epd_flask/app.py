@@ -47,7 +47,8 @@ def build_services(config: ProxyConfig, roster: Roster, generation: int = 0) -> 
     registry = Registry(roster.instances, settings.fail_threshold, settings.evicted_ttl)
     # Under gunicorn (a master's state directory) workers come and go with every reload: each
     # starts its rotation somewhere random. A lone in-process app starts at the first.
-    router = Router(registry, start=None if config.state_dir else 0)
+    router = Router(registry, start=None if config.state_dir else 0,
+                    settings=lambda: pipeline.roster.settings)
     transport = Transport(
         settings.connect_timeout, config.pool_maxsize,
         idle_timeout=config.upstream_idle_timeout, keepalive=config.upstream_keepalive,

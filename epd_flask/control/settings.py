@@ -26,6 +26,10 @@ LOG_LEVELS = ("debug", "info", "warning", "warn", "error", "critical")
 #: worker at its cap still accepts connections to refuse quickly and to answer probes.
 IN_FLIGHT_SHARE = 0.9
 PREFILL_FAILURES = ("fail", "recompute")
+#: Routing policies (docs/behaviour.md#routing-policies) and the roles the roster's
+#: ``routing:`` setting names a policy for.
+ROUTING_POLICIES = ("round_robin", "least_loaded", "prefix", "kv_aware", "session")
+ROUTED_ROLES = ("encode", "prefill", "decode", "prefill_decode")
 #: The example roster shipped inside the package (in a checkout, a link to etc/roster.yaml):
 #: what a server started with no roster named serves, a simulated prefill on :8100 and decode
 #: on :8200.
@@ -114,6 +118,7 @@ class RosterSetting:
     ge: float | None = None
     gt: float | None = None
     le: float | None = None
+    shown: str | None = None
 
     def bounds(self) -> dict[str, float]:
         return {k: v for k, v in (("ge", self.ge), ("gt", self.gt), ("le", self.le))
@@ -121,6 +126,8 @@ class RosterSetting:
 
     def shown_default(self) -> str:
         """The default as the README's roster settings table writes it."""
+        if self.shown is not None:
+            return self.shown
         if isinstance(self.default, bool):
             return "true" if self.default else "false"
         if isinstance(self.default, str):
@@ -278,6 +285,15 @@ _ROSTER_SETTINGS = (
     # vLLM's own clients set none.
     RosterSetting("decode_total_timeout", float, 0.0,
                   "the whole decode call, first byte to last; 0 = no limit", "seconds", ge=0),
+    # A role left out routes round_robin.
+    RosterSetting("routing", dict[Literal[ROUTED_ROLES], Literal[ROUTING_POLICIES]], {},
+                  "the routing policy of each role", shown="`round_robin`"),
+    RosterSetting("routing_load_factor", float, 1.25,
+                  "prefix and session affinity spill past this multiple of the average load",
+                  "factor", ge=1.0, le=100.0),
+    RosterSetting("disaggregate_min_prompt_tokens", int, 0,
+                  "shorter prompts skip prefill and go straight to decode; 0 = never",
+                  "tokens", ge=0),
 )
 
 

@@ -56,6 +56,8 @@ request_finished: EventHook[[Any]] = EventHook()
 upstream_opened: EventHook[[str, str]] = EventHook()
 #: An upstream call closed, whichever way: (role, url).
 upstream_closed: EventHook[[str, str]] = EventHook()
+#: A routing decision: (role, policy, outcome, url), outcome as ``fleet/policies.py`` names.
+routed: EventHook[[str, str, str, str]] = EventHook()
 #: An upstream call of a client request failed: (stage, url, error code).
 upstream_error: EventHook[[str, str, str]] = EventHook()
 #: An attempt is retried before the first byte: (failed stage, error code that caused it).

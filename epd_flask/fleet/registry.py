@@ -106,6 +106,13 @@ class Registry:
     def get(self, url: str) -> InstanceState | None:
         return self._states.get(url)
 
+    def track(self, url: str, delta: int) -> None:
+        """An upstream call to ``url`` opened (+1) or closed (-1): the load routing reads.
+        A call to an instance the roster dropped meanwhile counts for nobody."""
+        state = self._states.get(url)
+        if state is not None:
+            state.in_flight = max(0, state.in_flight + delta)
+
     def states(self) -> list[InstanceState]:
         return list(self._states.values())
 

@@ -1,19 +1,49 @@
 """Which instance takes the next request of a role.
 
-Round-robin over live instances with one cursor per role that only ever advances
-(docs/behaviour.md#routing): a
-roster change or an eviction shifts the list but never restarts the rotation at its head.
+Each role routes by the policy the roster's ``routing`` setting names for it
+(docs/behaviour.md#routing-policies; the choices themselves are ``policies.py``). Round-robin
+has one cursor per role that only ever advances (docs/behaviour.md#routing): a roster change or
+an eviction shifts the list but never restarts the rotation at its head. The request being
+routed is known through ``serving(affinity)``, a context variable: gevent gives every greenlet
+its own, and the connectors that pick prefill need not carry the request through.
 """
 
 from __future__ import annotations
 
+import contextvars
 import itertools
 import random
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
+from epd_flask.control import settings as declared
 from epd_flask.control.roster import Instance
+from epd_flask.core import events
 from epd_flask.core.errors import NoBackend
+from epd_flask.fleet import policies
+from epd_flask.fleet.policies import Affinity, Decision
 from epd_flask.fleet.registry import Registry
+
+#: The request being routed in this greenlet, if any.
+_CURRENT: contextvars.ContextVar[Affinity | None] = contextvars.ContextVar(
+    "epd_routing_affinity", default=None)
+AFFINITY_POLICIES = (policies.PREFIX, policies.KV_AWARE, policies.SESSION)
+
+
+@contextmanager
+def serving(affinity: Affinity) -> Iterator[Affinity]:
+    """Route the picks made inside this block for the request ``affinity`` describes."""
+    token = _CURRENT.set(affinity)
+    try:
+        yield affinity
+    finally:
+        _CURRENT.reset(token)
+
+
+def current() -> Affinity | None:
+    return _CURRENT.get()
 
 CURSOR_SPREAD = 1 << 30
 NO_BACKEND_MESSAGES = {
@@ -39,22 +69,66 @@ class Router:
     worker starting somewhere random keeps the fleet's load even from the first request.
     """
 
-    def __init__(self, registry: Registry, start: int | None = 0) -> None:
+    def __init__(self, registry: Registry, start: int | None = 0,
+                 settings: Callable[[], Any] | None = None) -> None:
         self.registry = registry
         self._start = start
+        self._settings = settings
         self._cursors: dict[str, Iterator[int]] = {}
         self._replicas: dict[str, Iterator[int]] = {}
+        # Power-of-two draws: seeded in a lone app (tests), system entropy under gunicorn.
+        self._rng = random.Random(start) if start is not None else random.Random()
+
+    def policy(self, role: str) -> str:
+        routing = self._settings().routing if self._settings is not None else {}
+        return str(routing.get(role, policies.ROUND_ROBIN))
+
+    def load(self, instance: Instance) -> int:
+        """This worker's upstream calls open on ``instance`` right now."""
+        state = self.registry.get(instance.url)
+        return state.in_flight if state is not None else 0
 
     def pick(self, role: str, exclude: frozenset[str] = frozenset(), model: str | None = None,
              base: str | None = None) -> Instance:
-        """The next live instance of ``role`` serving ``model`` (docs/behaviour.md#models),
-        skipping URLs in ``exclude`` when others exist."""
+        """A live instance of ``role`` serving ``model`` (docs/behaviour.md#models), chosen by
+        the role's policy, skipping URLs in ``exclude`` when others exist."""
         live = self.registry.live(role, model, base)
         if not live:
             raise no_backend(role, model)
-        n = next(self._cursor(role))
         preferred = [i for i in live if i.url not in exclude] or live
-        return preferred[n % len(preferred)]
+        affinity = _CURRENT.get()
+        decision = self.decide(role, self.policy(role), preferred, affinity)
+        if affinity is not None:
+            affinity.decisions.append(decision.describe(role))
+        events.routed.fire(role, decision.policy, decision.outcome, decision.instance.url)
+        return decision.instance
+
+    def decide(self, role: str, policy: str, candidates: list[Instance],
+               affinity: Affinity | None) -> Decision:
+        """``policy``'s choice among ``candidates`` (live, not excluded, non-empty).
+
+        ``kv_aware`` has no KV-event picture yet and routes as ``prefix`` does (the issue's
+        own fallback for lost or late events); ``session`` without a ``user`` falls back to
+        the prefix key, which a conversation's turns share too.
+        """
+        if policy == policies.LEAST_LOADED:
+            return policies.power_of_two(candidates, self.load, self._rng)
+        if policy in AFFINITY_POLICIES and affinity is not None:
+            key = affinity.session if policy == policies.SESSION else None
+            fallback = key is None and policy == policies.SESSION
+            key = key or affinity.prefix
+            if key is not None:
+                factor = self._settings().routing_load_factor if self._settings else \
+                    declared.default("routing_load_factor")
+                decision = policies.bounded_rendezvous(key, candidates, self.load, factor,
+                                                       policy)
+                if fallback:
+                    return Decision(decision.instance, policy, decision.outcome,
+                                    "prefix:" + decision.why)
+                return decision
+        n = next(self._cursor(role))
+        outcome = policies.ROTATION if policy == policies.ROUND_ROBIN else policies.NOKEY
+        return Decision(candidates[n % len(candidates)], policy, outcome, outcome)
 
     def pick_many(self, role: str, count: int, model: str | None = None) -> list[Instance]:
         """``count`` instances in rotation order, e.g. one encoder per media item.
@@ -65,6 +139,18 @@ class Router:
         live = self.registry.live(role, model)
         if not live:
             raise no_backend(role, model)
+        if self.policy(role) == policies.LEAST_LOADED:
+            # The calls open after all are picked: count this request's own picks as load.
+            mine: Counter[str] = Counter()
+            picked = []
+            for _ in range(count):
+                decision = policies.power_of_two(
+                    live, lambda i: self.load(i) + mine[i.url], self._rng)
+                mine[decision.instance.url] += 1
+                events.routed.fire(role, decision.policy, decision.outcome,
+                                   decision.instance.url)
+                picked.append(decision.instance)
+            return picked
         cursor = self._cursor(role)
         return [live[next(cursor) % len(live)] for _ in range(count)]
 

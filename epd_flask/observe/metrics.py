@@ -75,6 +75,10 @@ BYTES = Counter("epd_response_bytes_total", "Response body bytes relayed to clie
 RETRIES = Counter("epd_retries_total", "Attempts retried before the first byte, by the failed "
                   "stage and the error code that caused it.", ["stage", "cause"],
                   registry=_REGISTRY)
+ROUTING = Counter(
+    "epd_routing_decisions_total", "Routing decisions by role, policy and outcome (rotation, "
+    "least, tie, hit, spill, nokey; skipped: a short prompt went straight to decode) and the "
+    "instance chosen.", ["role", "policy", "outcome", "instance"], registry=_REGISTRY)
 UPSTREAM_ERRORS = Counter(
     "epd_upstream_errors_total", "Failed upstream calls of client requests, by instance and "
     "error code.", ["stage", "instance", "kind"], registry=_REGISTRY)
@@ -198,6 +202,7 @@ class MetricsObserver:
         events.upstream_closed.add_listener(self.upstream_closed)
         events.upstream_error.add_listener(self.upstream_error)
         events.retry.add_listener(self.retry)
+        events.routed.add_listener(self.routed)
         events.probe.add_listener(self.probe)
         events.evicted.add_listener(self.evicted)
         events.rejoined.add_listener(self.rejoined)
@@ -216,6 +221,9 @@ class MetricsObserver:
 
     def upstream_error(self, stage: str, url: str, kind: str) -> None:
         UPSTREAM_ERRORS.labels(stage, self.instance_label(url), kind).inc()
+
+    def routed(self, role: str, policy: str, outcome: str, url: str) -> None:
+        ROUTING.labels(role, policy, outcome, self.instance_label(url)).inc()
 
     def retry(self, stage: str, cause: str) -> None:
         RETRIES.labels(stage, cause).inc()

@@ -215,6 +215,8 @@ def build(now: Snapshot, then: Snapshot | None, fleet: Sequence[FleetEntry],
     counters = []
     for title, name, by in (
             ("Retries by stage and cause", "epd_retries_total", ["stage", "cause"]),
+            ("Routing decisions by role, policy, outcome and instance",
+             "epd_routing_decisions_total", ["role", "policy", "outcome", "instance"]),
             ("Upstream errors by instance and kind", "epd_upstream_errors_total",
              ["instance", "stage", "kind"]),
             ("Probe failures", "epd_probe_failures_total", ["instance"]),

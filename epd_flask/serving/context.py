@@ -82,6 +82,10 @@ class RequestContext:
     # Asks the server whether the client already hung up (it can tell, gunicorn's gevent
     # worker can); without one, a departure is noticed at the first write.
     client_gone: Callable[[], bool] = field(default=lambda: False, repr=False)
+    # One ``role:policy(why)`` per routing decision (docs/behaviour.md#routing-policies).
+    routing: list[str] = field(default_factory=list)
+    # Told of every upstream call opened (+1) and closed (-1): the load routing reads.
+    on_leg: Callable[[str, int], None] | None = field(default=None, repr=False)
     _logged: bool = False
 
     @property
@@ -107,6 +111,8 @@ class RequestContext:
 
     def leg_open(self, stage: str, role: str, url: str) -> None:
         self.legs.append(Leg(stage, role, url))
+        if self.on_leg is not None:
+            self.on_leg(url, 1)
         events.upstream_opened.fire(role, url)
 
     def leg_close(self, stage: str, url: str, status: int | None = None,
@@ -118,6 +124,8 @@ class RequestContext:
                 break
         else:
             return
+        if self.on_leg is not None:
+            self.on_leg(leg.url, -1)
         events.upstream_closed.fire(leg.role, leg.url)
         if error is not None:
             events.upstream_error.fire(stage, url, error.code)
@@ -164,6 +172,8 @@ class RequestContext:
         if self.model is not None:
             fields.append(("model", self.model))
         fields += list(self.instances.items())
+        if self.routing:
+            fields.append(("routing", ",".join(self.routing)))
         fields += [(f"{k}_ms", v) for k, v in self.timings.items()]
         fields += [("retries", self.retries), ("chunks", self.chunks),
                    ("bytes", self.bytes_out)]
@@ -180,7 +190,8 @@ class RequestContext:
             "pid": os.getpid(),  # which worker: a bare JSON line has no log prefix
             "request_id": self.request_id, "upstream_id": self.upstream_id,
             "route": self.route, "status": self.status,
-            "instances": dict(self.instances), "timings_ms": dict(self.timings),
+            "instances": dict(self.instances), "routing": list(self.routing),
+            "timings_ms": dict(self.timings),
             "retries": self.retries, "chunks": self.chunks, "bytes": self.bytes_out,
         }
         if self.model is not None:

@@ -20,7 +20,7 @@ from urllib.parse import quote
 
 from epd_flask.control.roster import Instance, Roster
 from epd_flask.control.settings import default
-from epd_flask.core import jsoncodec
+from epd_flask.core import events, jsoncodec
 from epd_flask.core.errors import (
     BackendError,
     BackendStatus,
@@ -31,11 +31,13 @@ from epd_flask.core.errors import (
     instance_label,
 )
 from epd_flask.core.headers import REQUEST_ID_HEADER, client_headers
+from epd_flask.fleet import routing
+from epd_flask.fleet.affinity import request_affinity
 from epd_flask.fleet.models import Catalog
 from epd_flask.fleet.registry import Registry
 from epd_flask.fleet.routing import Router
 from epd_flask.serving import fields, legs, relay, usage
-from epd_flask.serving.connectors import Connector, LegRequest, Route
+from epd_flask.serving.connectors import Connector, LegRequest, Placement, Route
 from epd_flask.serving.context import RequestContext
 from epd_flask.serving.encode_stage import EncodeStage
 from epd_flask.serving.fanout import Fanout
@@ -55,6 +57,8 @@ def upstream_path(path: str) -> str:
     return quote(path, safe=PATH_SAFE)
 
 
+#: Connectors whose decode computes a prompt it got no KV for: short prompts may skip prefill.
+DIRECT_DECODE_CONNECTORS = ("nixl", "none")
 STREAM_HEADERS = (("Cache-Control", "no-cache"), ("X-Accel-Buffering", "no"))
 #: How often a request waiting on concurrent legs asks whether its client is still there.
 CLIENT_CHECK_INTERVAL = 0.1
@@ -105,6 +109,14 @@ class Pipeline:
         # the body goes upstream as the client wrote it, model absent or not.
         ctx.model = self.catalog.resolve(body.get("model"))
         attempts = self.roster.settings.decode_retries + 1
+        ctx.on_leg = self.registry.track
+        affinity = request_affinity(body)
+        affinity.decisions = ctx.routing
+        with routing.serving(affinity):
+            return self._attempts(path, body, ctx, attempts)
+
+    def _attempts(self, path: str, body: dict[str, Any], ctx: RequestContext,
+                  attempts: int) -> Reply:
         for attempt in range(attempts):
             try:
                 return self._attempt(path, body, ctx)
@@ -128,6 +140,7 @@ class Pipeline:
         one serving the body's ``model`` when a live one does (docs/behaviour.md#models)."""
         if model is not None and not self.registry.live(self.decode_role, model):
             model = None  # nobody live serves it: the instance answers as vLLM would
+        ctx.on_leg = self.registry.track
         target = self.router.pick(self.decode_role, model=model)
         ctx.instances["decode"] = target.url
         headers = dict(ctx.upstream_headers)
@@ -151,12 +164,31 @@ class Pipeline:
                                      ctx)
         # Decode is chosen first: with no decode alive, prefill work would be wasted.
         decode = self.router.pick("decode", frozenset(ctx.failed), ctx.model)
+        if self._skips_prefill():
+            return self._decode_only(decode, path, body, ctx)
         route = self.connector.route(decode, ctx.attempt_id, ctx.retries, frozenset(ctx.failed),
                                      ctx.model, self.registry.base_of(decode.url, ctx.model))
         body = self.encode.run(body, ctx, route.prefill.instance, self.roster.settings).body
         if self.connector.concurrent:
             return self._concurrent_legs(route, path, body, ctx)
         return self._sequential_legs(route, path, body, ctx)
+
+    def _skips_prefill(self) -> bool:
+        """Selective disaggregation (docs/behaviour.md#routing-policies): a prompt estimated
+        shorter than ``disaggregate_min_prompt_tokens`` costs decode less to compute than a
+        prefill hop and a KV transfer; only connectors whose decode can compute alone."""
+        floor = self.roster.settings.disaggregate_min_prompt_tokens
+        affinity = routing.current()
+        return (floor > 0 and affinity is not None and affinity.prompt_tokens < floor
+                and self.connector.name in DIRECT_DECODE_CONNECTORS)
+
+    def _decode_only(self, decode: Instance, path: str, body: dict[str, Any],
+                     ctx: RequestContext) -> Reply:
+        body = self.encode.run(body, ctx, decode, self.roster.settings).body
+        route = Route(Placement(decode), decode, ctx.attempt_id, ctx.retries)
+        ctx.routing.append("prefill:skipped(short)")
+        events.routed.fire("prefill", "disaggregate", "skipped", decode.url)
+        return self._open_decode(decode, path, self.connector.decode_leg(body, route, None), ctx)
 
     # -- prefill, then decode (nixl, none, p2p_nccl) ----------------------------------------
 

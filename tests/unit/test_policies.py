@@ -1,0 +1,175 @@
+"""Routing policies as pure functions and through the Router
+(docs/behaviour.md#routing-policies)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+
+from epd_flask.control.roster import Instance, RosterError, parse
+from epd_flask.fleet import affinity, policies
+from epd_flask.fleet.policies import Affinity
+from epd_flask.fleet.registry import Registry
+from epd_flask.fleet.routing import Router, serving
+
+
+def prefills(n: int) -> list[Instance]:
+    return [Instance(role="prefill", url=f"http://10.0.0.{i}:8100") for i in range(1, n + 1)]
+
+
+def keys(n: int) -> list[bytes]:
+    return [f"conversation-{i}".encode() for i in range(n)]
+
+
+def owner(key: bytes, instances: list[Instance]) -> str:
+    return policies.rendezvous_order(key, instances)[0].url
+
+
+def test_rendezvous_is_the_same_in_another_process_with_another_hash_seed() -> None:
+    """Every worker and host must agree with no coordination: a stable hash, not hash()."""
+    here = [owner(k, prefills(5)) for k in keys(50)]
+    code = ("import json; from tests.unit.test_policies import keys, owner, prefills; "
+            "print(json.dumps([owner(k, prefills(5)) for k in keys(50)]))")
+    env = dict(os.environ, PYTHONHASHSEED="12345")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, check=True, cwd=os.path.dirname(os.path.dirname(
+                             os.path.dirname(os.path.abspath(__file__)))))
+    assert json.loads(out.stdout) == here
+    assert len(set(here)) == 5  # and it spreads
+
+
+def test_a_joining_instance_takes_only_its_own_share() -> None:
+    before, after = prefills(4), prefills(5)
+    moved = [k for k in keys(2000) if owner(k, before) != owner(k, after)]
+    # Every moved key went to the newcomer, and it took about 1/5 of them.
+    assert all(owner(k, after) == after[-1].url for k in moved)
+    assert 300 < len(moved) < 500
+
+
+def test_a_leaving_instance_moves_only_the_keys_it_held() -> None:
+    before = prefills(5)
+    after = before[:2] + before[3:]
+    moved = [k for k in keys(2000) if owner(k, before) != owner(k, after)]
+    assert moved and all(owner(k, before) == before[2].url for k in moved)
+    assert len(moved) == sum(owner(k, before) == before[2].url for k in keys(2000))
+
+
+def test_bounded_load_spills_a_hot_key_to_its_next_instance() -> None:
+    instances = prefills(4)
+    key = b"one hot system prompt"
+    order = policies.rendezvous_order(key, instances)
+    load = Counter({order[0].url: 5})
+    decision = policies.bounded_rendezvous(key, instances, lambda i: load[i.url], 1.25,
+                                           policies.PREFIX)
+    # bound = ceil(1.25 * 6 / 4) = 2: the owner holds 5, so its next in order takes it.
+    assert decision.instance == order[1] and decision.outcome == policies.SPILL
+    assert decision.why == "spill1:5>=2"
+    idle = policies.bounded_rendezvous(key, instances, lambda i: 0, 1.25, policies.PREFIX)
+    assert idle.instance == order[0] and idle.outcome == policies.HIT
+
+
+def test_bounded_load_keeps_every_instance_under_the_bound_for_one_hot_key() -> None:
+    instances = prefills(4)
+    load: Counter[str] = Counter()
+    for _ in range(40):  # 40 requests of one prefix, none finishing
+        decision = policies.bounded_rendezvous(b"hot", instances, lambda i: load[i.url], 1.25,
+                                               policies.PREFIX)
+        load[decision.instance.url] += 1
+    assert max(load.values()) <= 13  # ceil(1.25 * 40 / 4)
+    assert len(load) == 4
+
+
+def test_power_of_two_takes_the_less_loaded_of_its_draw() -> None:
+    instances = prefills(2)
+    load = {instances[0].url: 7, instances[1].url: 2}
+    for seed in range(10):
+        d = policies.power_of_two(instances, lambda i: load[i.url], random.Random(seed))
+        assert d.instance == instances[1] and d.why == "2<7"
+
+
+def test_chat_prefix_key_is_stable_across_turns_and_differs_between_conversations() -> None:
+    system = {"role": "system", "content": "You are terse. " * 50}
+    turn1 = {"messages": [system, {"role": "user", "content": "what is rust?"}]}
+    turn2 = {"messages": turn1["messages"] + [
+        {"role": "assistant", "content": "a language"}, {"role": "user", "content": "and go?"}]}
+    other = {"messages": [system, {"role": "user", "content": "what is zig?"}]}
+    a1, a2, b = (affinity.request_affinity(x) for x in (turn1, turn2, other))
+    assert a1.prefix == a2.prefix != b.prefix
+    assert a2.prompt_tokens > a1.prompt_tokens > 150  # 750 characters of system prompt
+
+
+def test_completion_prefix_key_uses_the_leading_blocks_only() -> None:
+    head = "x" * (affinity.PREFIX_BLOCK_CHARS * affinity.PREFIX_BLOCKS)
+    one = affinity.request_affinity({"prompt": head + "first question"})
+    two = affinity.request_affinity({"prompt": head + "another question entirely"})
+    short = affinity.request_affinity({"prompt": "hi"})
+    assert one.prefix == two.prefix and short.prefix is not None
+    assert affinity.request_affinity({"prompt": "a" * 400}).prompt_tokens == 100
+
+
+def test_session_key_is_the_user_field() -> None:
+    a = affinity.request_affinity({"prompt": "x", "user": "alice"})
+    b = affinity.request_affinity({"prompt": "y", "user": "alice"})
+    assert a.session == b.session is not None and a.prefix != b.prefix
+
+
+class FakeSettings:
+    def __init__(self, routing: dict[str, str], factor: float = 1.25) -> None:
+        self.routing = routing
+        self.routing_load_factor = factor
+
+
+def test_router_prefix_picks_the_same_instance_and_logs_why() -> None:
+    registry = Registry(prefills(4))
+    router = Router(registry, settings=lambda: FakeSettings({"prefill": "prefix"}))
+    picks = set()
+    for _ in range(5):
+        with serving(Affinity(prefix=b"conversation")) as aff:
+            picks.add(router.pick("prefill").url)
+        assert aff.decisions == ["prefill:prefix(hit)"]
+    assert len(picks) == 1
+
+
+def test_router_prefix_without_a_key_rotates_and_kv_aware_routes_as_prefix() -> None:
+    registry = Registry(prefills(3))
+    router = Router(registry, settings=lambda: FakeSettings({"prefill": "kv_aware"}))
+    assert len({router.pick("prefill").url for _ in range(3)}) == 3
+    with serving(Affinity(prefix=b"k")) as aff:
+        chosen = router.pick("prefill")
+    assert chosen == policies.rendezvous_order(b"k", registry.live("prefill"))[0]
+    assert aff.decisions == ["prefill:kv_aware(hit)"]
+
+
+def test_router_least_loaded_reads_the_registry_in_flight_count() -> None:
+    registry = Registry(prefills(2))
+    router = Router(registry, settings=lambda: FakeSettings({"prefill": "least_loaded"}))
+    busy = prefills(2)[0].url
+    for _ in range(3):
+        registry.track(busy, +1)
+    assert {router.pick("prefill").url for _ in range(10)} == {prefills(2)[1].url}
+    for _ in range(3):
+        registry.track(busy, -1)
+    assert registry.get(busy).in_flight == 0
+
+
+@pytest.mark.parametrize("routing", [
+    {"prefill": "fastest"}, {"prefil": "prefix"}, "prefix", {"decode": 3}])
+def test_unknown_policy_or_role_is_a_roster_error(routing: object) -> None:
+    with pytest.raises(RosterError) as info:
+        parse({"settings": {"routing": routing}, "instances": []})
+    assert "routing" in str(info.value)
+
+
+def test_known_policies_parse() -> None:
+    roster = parse({"settings": {"routing": {"prefill": "prefix", "decode": "least_loaded",
+                                             "encode": "round_robin"},
+                                 "disaggregate_min_prompt_tokens": 64}, "instances": []})
+    assert roster.settings.routing["prefill"] == "prefix"
+    with pytest.raises(RosterError):
+        parse({"settings": {"routing_load_factor": 0.5}, "instances": []})
