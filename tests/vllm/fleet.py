@@ -183,10 +183,10 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 def start_vllm(name: str, role: str, core: int, model: str = "tiny-llama",
                args: tuple[str, ...] = (), env: dict[str, str] | None = None,
-               **ports: int) -> VllmServer:
+               served_name: str = MODEL_NAME, **ports: int) -> VllmServer:
     port = free_port()
     argv = [*NICE, str(VENV / "bin" / "vllm"), "serve", str(MODELS / model),
-            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL_NAME,
+            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", served_name,
             *COMMON_ARGS, *args]
     process = Process(name, argv, {**vllm_env(core), **(env or {})}, f"http://127.0.0.1:{port}")
     return VllmServer(process, role, **ports)
@@ -255,11 +255,35 @@ def _encoder() -> list[VllmServer]:
     ]
 
 
+#: The second model of the multi-model topology, and the LoRA adapter of the first.
+SECOND_MODEL = "tiny-llama-b"
+LORA_NAME = "tiny-lora"
+#: Runtime LoRA loading on the first pair: vLLM serves /v1/load_lora_adapter only with it.
+LORA_ARGS = ("--enable-lora", "--max-lora-rank", "8", "--max-loras", "1")
+
+
+def _models() -> list[VllmServer]:
+    """Two NIXL P/D pairs serving different models: tiny-llama (LoRA enabled, adapters loaded
+    at run time) and tiny-llama-b. Four servers: ~6 GB of RAM; each core runs one of each."""
+    servers = []
+    for pair, model, extra in (("a", "tiny-llama", LORA_ARGS), ("b", SECOND_MODEL, ())):
+        for name, role, core in (("prefill", "kv_producer", 0), ("decode", "kv_consumer", 1)):
+            side = free_port()
+            servers.append(start_vllm(
+                f"models-{pair}-{name}", name, core, model=model, served_name=model,
+                args=("--kv-transfer-config", kv_config("NixlConnector", role), *extra),
+                env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(side),
+                     "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True" if extra else "False"},
+                side_channel_port=side))
+    return servers
+
+
 TOPOLOGIES: dict[str, Callable[[], list[VllmServer]]] = {
     "nixl": _nixl,
     "mooncake": _mooncake,
     "example": _example,
     "encoder": _encoder,
+    "models": _models,
 }
 
 

@@ -1,7 +1,10 @@
-"""Builds the two tiny, randomly initialised models the vLLM tier serves, from nothing: no model
+"""Builds the tiny, randomly initialised models the vLLM tier serves, from nothing: no model
 hub, no downloads. Deterministic (fixed seeds), a few seconds, ~4 MB each.
 
-    python tiny_models.py OUT_DIR   ->  OUT_DIR/tiny-llama, OUT_DIR/tiny-llava
+    python tiny_models.py OUT_DIR   ->  OUT_DIR/tiny-llama, OUT_DIR/tiny-llava,
+                                        OUT_DIR/tiny-llama-b (another model: other weights, one
+                                        more layer), OUT_DIR/tiny-lora (a LoRA adapter of
+                                        tiny-llama in PEFT's layout)
 
 Run it with the vLLM venv's python (it needs torch, tokenizers, transformers, safetensors).
 Sizes follow what vLLM's CPU backend accepts: head_dim 32 (16 is refused), bf16 at run time.
@@ -9,6 +12,7 @@ Sizes follow what vLLM's CPU backend accepts: head_dim 32 (16 is refused), bf16 
 
 from __future__ import annotations
 
+import json
 import random
 import sys
 from pathlib import Path
@@ -29,6 +33,11 @@ from transformers import (
 )
 
 SEED = 11
+SECOND_SEED = 29
+#: Built after the first two, each with its own stamp, so an existing model dir gains them.
+EXTRAS = ("tiny-llama-b", "tiny-lora")
+LORA_RANK = 8
+LORA_TARGETS = ("q_proj", "v_proj")
 VOCAB_SIZE = 2048
 BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
 IMAGE_TOKEN = "<image>"
@@ -97,6 +106,42 @@ def build_llama(out: Path) -> PreTrainedTokenizerFast:
     return tok
 
 
+def build_second_llama(out: Path) -> None:
+    """Another text model for the multi-model cases: same tokenizer, other weights and depth,
+    so its greedy answers differ from tiny-llama's."""
+    torch.manual_seed(SECOND_SEED)
+    tok = build_tokenizer()
+    tok.save_pretrained(out)
+    cfg = text_config(tok)
+    cfg.num_hidden_layers = 3
+    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(out)
+    _generation_config(tok).save_pretrained(out)
+
+
+def build_lora(out: Path, base: Path) -> None:
+    """A rank-8 LoRA adapter of tiny-llama's attention (q_proj, v_proj), as PEFT saves one:
+    ``adapter_config.json`` and ``adapter_model.safetensors``. Its B matrices are not zero (a
+    trained adapter's are not), so it changes what the model says."""
+    torch.manual_seed(SEED + 1)
+    cfg = LlamaConfig.from_pretrained(base)
+    sizes = {"q_proj": cfg.num_attention_heads * cfg.head_dim,
+             "v_proj": cfg.num_key_value_heads * cfg.head_dim}
+    tensors = {}
+    for layer in range(cfg.num_hidden_layers):
+        for module in LORA_TARGETS:
+            key = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(LORA_RANK, cfg.hidden_size) * 0.5
+            tensors[f"{key}.lora_B.weight"] = torch.randn(sizes[module], LORA_RANK) * 0.5
+    save_file({k: v.contiguous() for k, v in tensors.items()},
+              out / "adapter_model.safetensors", metadata={"format": "pt"})
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base),
+        "r": LORA_RANK, "lora_alpha": 2 * LORA_RANK, "lora_dropout": 0.0, "bias": "none",
+        "target_modules": list(LORA_TARGETS), "fan_in_fan_out": False,
+        "modules_to_save": None, "use_rslora": False, "use_dora": False,
+    }, indent=2))
+
+
 def build_llava(out: Path, tok: PreTrainedTokenizerFast) -> None:
     """A CLIP tower on 28x28 images (patch 14: 4 image tokens) in front of the same Llama."""
     torch.manual_seed(SEED)
@@ -132,12 +177,19 @@ def _rename_vision_tower(path: Path) -> None:
 def main() -> None:
     root = Path(sys.argv[1])
     llama, llava = root / "tiny-llama", root / "tiny-llava"
-    if (root / READY).exists():
-        return
-    llama.mkdir(parents=True, exist_ok=True)
-    llava.mkdir(parents=True, exist_ok=True)
-    tok = build_llama(llama)
-    build_llava(llava, tok)
+    if not (root / READY).exists():
+        llama.mkdir(parents=True, exist_ok=True)
+        llava.mkdir(parents=True, exist_ok=True)
+        tok = build_llama(llama)
+        build_llava(llava, tok)
+    builders = {"tiny-llama-b": build_second_llama,
+                "tiny-lora": lambda out: build_lora(out, llama)}
+    for name in EXTRAS:
+        out = root / name
+        if not (out / READY).exists():
+            out.mkdir(parents=True, exist_ok=True)
+            builders[name](out)
+            (out / READY).touch()
     (root / READY).touch()
     print(f"tiny models ready in {root}")
 
