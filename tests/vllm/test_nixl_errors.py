@@ -39,6 +39,23 @@ def test_models_list_is_vllms(pd):
     pytest.param("/v1/chat/completions",
                  {"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]},
                  id="chat-unknown-model"),
+])
+def test_an_unknown_model_is_refused_by_the_proxy_as_vllm_words_it(pd, path, body):
+    """Once the proxy has read the decode's /v1/models, it knows nobody serves the model: 404
+    with vLLM's sentence in OpenAI's shape (docs/behaviour.md#models). The proxy answered
+    itself, no backend: vLLM's own answer adds "Valid aliases: ..." to the sentence."""
+    direct = post(pd.decode.url, path, body)
+    proxied = post(pd.proxy.url, path, body)
+    assert proxied.status == direct.status == 404
+    assert set(proxied.json["error"]) == set(direct.json["error"])
+    assert proxied.json["error"]["param"] == direct.json["error"]["param"] == "model"
+    assert proxied.json["error"]["code"] == "model_not_found"
+    message = "The model `no-such-model` does not exist."
+    assert proxied.json["error"]["message"] == message
+    assert direct.json["error"]["message"].startswith(message + " Valid aliases")
+
+
+@pytest.mark.parametrize(("path", "body"), [
     pytest.param("/v1/completions", completion_body("hello", max_tokens=100000),
                  id="max-tokens-too-large"),
     pytest.param("/v1/completions", completion_body("hi", max_tokens=2, temperature=-1),
