@@ -215,7 +215,7 @@ class SimApp:
             state.engine_dead = True
             return result
         cfg = state.config
-        ttft = cfg.ttft
+        ttft, token_delay = self._costs(answer)
         if answer.pull is not None:
             # The decode's own TTFT runs while it waits for the KV: the first token comes at
             # whichever is later, as when a real decode is busy while the prefill computes.
@@ -232,7 +232,7 @@ class SimApp:
         if req.stream:
             events = stream.plan_events(
                 answer, chat=req.chat, include_usage=req.include_usage, model=req.model,
-                fingerprint=fp, ttft=ttft, token_delay=cfg.token_delay,
+                fingerprint=fp, ttft=ttft, token_delay=token_delay,
                 logprobs=req.logprobs)
             drop_after = state.take_drop()
             start_response(status_line(200), list(SSE_HEADERS))
@@ -240,7 +240,7 @@ class SimApp:
                                      environ.get("sim.flush_headers"),
                                      environ.get("HTTP_X_REQUEST_ID"))
         steps = max((len(p) for p in answer.pieces), default=0)
-        if pacing.wait_or_gone(sock, ttft + cfg.token_delay * max(steps - 1, 0)):
+        if pacing.wait_or_gone(sock, ttft + token_delay * max(steps - 1, 0)):
             state.abort(stream=False)
             pacing.hang_up(sock)
             if answer.transfer_id is not None:
@@ -265,6 +265,23 @@ class SimApp:
                  else logprobs.completion_logprobs(p, req.logprobs))
                 for p in answer.pieces],
         ))
+
+    def _costs(self, answer: roles.Answer) -> tuple[float, float]:
+        """(time to first token, inter-token time) for ``answer``: the configured constants,
+        or with the cost model (costmodel.py) what this server's queue and batch make them."""
+        cfg = self.state.config
+        if cfg.prefill_tokens_per_s <= 0:
+            return cfg.ttft, cfg.token_delay
+        engine, now = self.state.engine, time.monotonic()
+        step = engine.inter_token(cfg.token_delay, cfg.token_delay_per_stream, now)
+        computed = answer.computed_tokens
+        if computed is None:
+            computed = max(0, answer.prompt_tokens - answer.cached_tokens)
+        ttft = cfg.ttft + engine.prefill(computed, cfg.prefill_tokens_per_s, now) + step
+        steps = max((len(p) for p in answer.pieces), default=0)
+        if steps > 1:
+            engine.stream_until(now + ttft + step * (steps - 1))
+        return ttft, step
 
     def _pulled(self, outcome: str, sock: Any | None,
                 start_response: StartResponse) -> WSGIResult | None:

@@ -9,7 +9,7 @@ import sys
 
 import gevent
 
-from .config import EC_METADATA_MODES, KV_CONNECTORS, ROLES, SimConfig
+from .config import DEFAULT_KV_CACHE_BLOCKS, EC_METADATA_MODES, KV_CONNECTORS, ROLES, SimConfig
 from .server import SimServer
 
 logger = logging.getLogger(__name__)
@@ -38,6 +38,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="milliseconds before the first token (default: %(default)s)")
     p.add_argument("--token-delay-ms", type=float, default=0.0,
                    help="milliseconds between tokens (default: %(default)s)")
+    p.add_argument("--prefill-tokens-per-s", type=float, default=0.0,
+                   help="cost model: prefill throughput in uncached tokens/s, shared by "
+                   "concurrent prefills; 0 = off (default: %(default)s)")
+    p.add_argument("--token-delay-per-stream-ms", type=float, default=0.0,
+                   help="cost model: milliseconds added to --token-delay-ms per other running "
+                   "stream (default: %(default)s)")
+    p.add_argument("--kv-cache-blocks", type=int, default=DEFAULT_KV_CACHE_BLOCKS,
+                   help="prefix cache size in 16-token blocks, LRU (default: %(default)s)")
     p.add_argument("--output-tokens", type=int, default=16,
                    help="tokens in a full answer; max_tokens cuts it (default: %(default)s)")
     p.add_argument("--secret", default="epd-sim",
@@ -92,6 +100,9 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         role=args.role, host=args.host, port=args.port, model=args.model,
         max_model_len=args.max_model_len, ttft=args.ttft_ms / MS,
         token_delay=args.token_delay_ms / MS, output_tokens=args.output_tokens,
+        prefill_tokens_per_s=args.prefill_tokens_per_s,
+        token_delay_per_stream=args.token_delay_per_stream_ms / MS,
+        kv_cache_blocks=args.kv_cache_blocks,
         secret=args.secret, engine_id=args.engine_id, dp_size=args.dp_size,
         bootstrap_port=args.bootstrap_port, record_limit=args.record_limit,
         ec_metadata=args.ec_metadata, kv_timeout=args.kv_timeout_ms / MS,

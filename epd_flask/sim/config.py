@@ -27,8 +27,11 @@ DEFAULT_KEEPALIVE_TIMEOUT = 5.0
 #: Knobs that ``SimState.configure`` and ``POST /sim/config`` may change on a running server.
 LIVE_KNOBS = frozenset(
     {"ttft", "token_delay", "output_tokens", "max_model_len", "ec_metadata", "model",
-     "record_health", "kv_timeout"}
+     "record_health", "kv_timeout", "prefill_tokens_per_s", "token_delay_per_stream",
+     "kv_cache_blocks"}
 )
+#: The prefix cache's default size in 16-token blocks: thousands of distinct prompts.
+DEFAULT_KV_CACHE_BLOCKS = 65536
 
 
 @dataclass
@@ -72,6 +75,13 @@ class SimConfig:
     # vLLM serves /start_profile and /stop_profile only when started with a profiler
     # configured; without one both are 404.
     profiler: bool = False
+    # The cost model (costmodel.py), off at 0: prefill throughput in uncached prompt tokens
+    # per second, shared by the server's concurrent prefills.
+    prefill_tokens_per_s: float = 0.0
+    # With the cost model: added to token_delay for each other stream running.
+    token_delay_per_stream: float = 0.0
+    # The prefix cache's capacity in 16-token blocks, least recently used evicted first.
+    kv_cache_blocks: int = DEFAULT_KV_CACHE_BLOCKS
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -124,10 +134,13 @@ def _int_at_least(name: str, value: Any, floor: int) -> int:
 
 def coerce_knob(name: str, value: Any) -> Any:
     """Check one live knob's value; raises ValueError with a message fit for an HTTP 400."""
-    if name in ("ttft", "token_delay", "kv_timeout"):
+    if name in ("ttft", "token_delay", "kv_timeout", "prefill_tokens_per_s",
+                "token_delay_per_stream"):
         return _non_negative_float(name, value)
     if name == "output_tokens":
         return _int_at_least(name, value, 0)
+    if name == "kv_cache_blocks":
+        return _int_at_least(name, value, 1)
     if name == "max_model_len":
         return _int_at_least(name, value, 1)
     if name == "ec_metadata":

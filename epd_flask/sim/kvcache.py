@@ -12,7 +12,7 @@ from .textgen import BYTES_PER_TOKEN
 
 BLOCK_BYTES = BLOCK_TOKENS * BYTES_PER_TOKEN
 #: Enough blocks for thousands of distinct prompts; the oldest are forgotten first.
-MAX_CACHED_BLOCKS = 65536
+MAX_CACHED_BLOCKS = 65536  # the default; SimConfig.kv_cache_blocks sets it
 MAX_BLOCK_ID = 1 << 20
 
 
@@ -46,6 +46,11 @@ class PrefixCache:
             self._blocks.popitem(last=False)
         cached = hits * BLOCK_TOKENS
         return min(cached, ((num_tokens - 1) // BLOCK_TOKENS) * BLOCK_TOKENS)
+
+    def resize(self, capacity: int) -> None:
+        self._capacity = capacity
+        while len(self._blocks) > self._capacity:
+            self._blocks.popitem(last=False)
 
     def clear(self) -> None:
         self._blocks.clear()

@@ -31,6 +31,9 @@ class Answer:
     # Mooncake decode: the handle to pull KV with before the first token.
     pull: dict[str, Any] | None = None
     encoder_only: bool = False  # no generation at all: a stream has no content chunk
+    # Prompt tokens this server computes itself (the cost model's prefill work); None: all
+    # that its prefix cache did not answer.
+    computed_tokens: int | None = None
 
     @property
     def completion_tokens(self) -> int:
@@ -56,11 +59,27 @@ def _generate(req: Request, n: int, finish: str, request_id: str) -> Answer:
     )
 
 
-def _prefill(req: Request, state: SimState, rank: int, request_id: str) -> Answer:
-    cfg = state.config
+def _cached(req: Request, state: SimState) -> list[int]:
+    """Each prompt's tokens the prefix cache answers; the prompt's blocks are cached after."""
     cached = [state.prefix_cache.lookup_and_insert(p, t)
               for p, t in zip(req.prompts, req.prompt_tokens, strict=True)]
     state.count("prefix_cached_tokens", sum(cached))
+    state.count("prefix_computed_tokens", req.total_prompt_tokens - sum(cached))
+    return cached
+
+
+def _computing(req: Request, state: SimState, request_id: str) -> Answer:
+    """A server that computes the prompt itself under the cost model (a combined instance, a
+    decode with no KV to pull): its own prefix cache answers what it can."""
+    answer = _generate(req, *_token_budget(req, state), request_id)
+    if state.config.prefill_tokens_per_s > 0:
+        answer.cached_tokens = sum(_cached(req, state))
+    return answer
+
+
+def _prefill(req: Request, state: SimState, rank: int, request_id: str) -> Answer:
+    cfg = state.config
+    cached = _cached(req, state)
     # ExampleConnector ignores kv_transfer_params: it stores every prompt's KV by content.
     if cfg.kv_connector == "example" or not handles.wants_remote_decode(req.kv_params):
         answer = _generate(req, *_token_budget(req, state), request_id)
@@ -108,7 +127,10 @@ def _decode(req: Request, state: SimState, request_id: str) -> Answer:
         state.count(f"kv_handles_{verdict}")
     if verdict == handles.INCOMPLETE:
         raise IncompleteHandle(str(sorted(req.kv_params or {})))
+    if verdict not in (handles.VALID, handles.MOONCAKE):
+        return _computing(req, state, request_id)
     answer = _generate(req, *_token_budget(req, state), request_id)
+    answer.computed_tokens = 0  # the KV arrives from prefill
     if verdict == handles.MOONCAKE:
         answer.pull = dict(req.kv_params or {})
     return answer
@@ -119,7 +141,8 @@ def _encode(req: Request, state: SimState, request_id: str) -> Answer:
     kwargs = req.body.get("mm_processor_kwargs")
     items = media.extract_items(req.messages, kwargs)
     answer = Answer(request_id=request_id, pieces=[[]], finish_reasons=["stop"],
-                    prompt_tokens=req.total_prompt_tokens, encoder_only=True)
+                    prompt_tokens=req.total_prompt_tokens, encoder_only=True,
+                    computed_tokens=0)
     if not items:
         return answer  # real vLLM: nothing to encode, nothing published, ec_transfer_params null
     state.count("items_encoded", len(items))
@@ -169,4 +192,4 @@ def answer(req: Request, state: SimState, rank: int) -> Answer:
         return _decode(req, state, request_id)
     if role == "encode":
         return _encode(req, state, request_id)
-    return _generate(req, *_token_budget(req, state), request_id)
+    return _computing(req, state, request_id)

@@ -13,6 +13,7 @@ from collections import Counter, deque
 from typing import Any
 
 from .config import LIVE_KNOBS, SimConfig, coerce_knob
+from .costmodel import EngineClock
 from .kvcache import BlockAllocator, PrefixCache
 from .transfers import TransferBook
 
@@ -42,6 +43,7 @@ COUNTERS = (
     "kv_transfers_crossed",
     "request_ids_reused",
     "prefix_cached_tokens",
+    "prefix_computed_tokens",
     "items_encoded",
     "ec_pushes",
     "ec_params_received",
@@ -75,7 +77,8 @@ class SimState:
         self.rank_engine_ids = [self.engine_id] + [
             str(uuid.uuid4()) for _ in range(self.config.dp_size - 1)]
         self.started_at = time.time()
-        self.prefix_cache = PrefixCache()
+        self.prefix_cache = PrefixCache(self.config.kv_cache_blocks)
+        self.engine = EngineClock()
         self.blocks = BlockAllocator()
         self.transfers = TransferBook()
         self._records: deque[dict[str, Any]] = deque(maxlen=self.config.record_limit)
@@ -112,6 +115,7 @@ class SimState:
             checked[name] = coerce_knob(name, value)
         for name, value in checked.items():
             setattr(self.config, name, value)
+        self.prefix_cache.resize(self.config.kv_cache_blocks)
         return self.config.as_dict()
 
     def inject(self, **faults: Any) -> dict[str, Any]:
@@ -159,6 +163,7 @@ class SimState:
         self.profiling = False
         self._records.clear()
         self.prefix_cache.clear()
+        self.engine.reset()
         self.blocks.reset()
         self.transfers.clear()
 

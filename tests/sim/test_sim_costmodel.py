@@ -1,0 +1,71 @@
+"""The simulator's cost model (epd_flask/sim/costmodel.py): off by default, and when
+configured, prefill time follows uncached tokens and the queue, inter-token time follows the
+running streams."""
+
+from __future__ import annotations
+
+import time
+
+import requests
+
+from epd_flask.sim.costmodel import EngineClock
+
+SYSTEM = "You are a careful assistant who explains caches. " * 40  # ~500 tokens
+
+
+def test_prefills_queue_through_one_token_budget() -> None:
+    clock = EngineClock()
+    first = clock.prefill(15000, 15000.0, now=100.0)
+    second = clock.prefill(7500, 15000.0, now=100.0)
+    assert first == 1.0 and second == 1.5  # the second waits for the first
+    assert clock.prefill(0, 15000.0, now=100.0) == 0.0  # nothing to compute: no wait
+    later = clock.prefill(1500, 15000.0, now=200.0)  # the queue drained meanwhile
+    assert abs(later - 0.1) < 1e-9
+
+
+def test_inter_token_time_grows_with_running_streams() -> None:
+    clock = EngineClock()
+    assert clock.inter_token(0.008, 0.001, now=0.0) == 0.008
+    for _ in range(10):
+        clock.stream_until(5.0)
+    assert abs(clock.inter_token(0.008, 0.001, now=1.0) - 0.018) < 1e-9
+    assert clock.inter_token(0.008, 0.001, now=6.0) == 0.008  # they ended
+
+
+def ask(url: str, content: str) -> tuple[float, dict]:
+    started = time.monotonic()
+    r = requests.post(url + "/v1/chat/completions", timeout=10, json={
+        "model": "tiny-llama", "max_tokens": 2,
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": content}]})
+    assert r.status_code == 200, r.text
+    return time.monotonic() - started, r.json()["usage"]
+
+
+def test_a_cached_prefix_answers_sooner_and_reports_cached_tokens(start_sim) -> None:
+    sim = start_sim(role="prefill_decode", prompt_tokens_details=True, max_model_len=4096,
+                    prefill_tokens_per_s=2000.0, token_delay=0.001)
+    cold, usage = ask(sim.url, "first question")
+    assert usage["prompt_tokens"] > 400 and usage["prompt_tokens_details"] is None
+    warm, usage = ask(sim.url, "second question")
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= 400
+    assert cold > 0.2 > warm  # ~500 uncached tokens at 2000/s, then ~10
+    stats = sim.state.stats()
+    assert stats["prefix_cached_tokens"] >= 400 and stats["prefix_computed_tokens"] > 500
+
+
+def test_without_the_cost_model_a_combined_instance_caches_nothing(start_sim) -> None:
+    sim = start_sim(role="prefill_decode", prompt_tokens_details=True, max_model_len=4096)
+    for question in ("one", "two"):
+        elapsed, usage = ask(sim.url, question)
+        assert usage["prompt_tokens_details"] is None and elapsed < 1.0
+    assert sim.state.stats()["prefix_computed_tokens"] == 0
+
+
+def test_the_prefix_cache_evicts_least_recently_used_blocks(start_sim) -> None:
+    sim = start_sim(role="prefill_decode", prompt_tokens_details=True, max_model_len=4096,
+                    prefill_tokens_per_s=1e9, kv_cache_blocks=40)
+    ask(sim.url, "a")
+    requests.post(sim.url + "/v1/completions", timeout=10, json={
+        "model": "tiny-llama", "max_tokens": 1, "prompt": "z" * 4000})  # 62 blocks evict it
+    _, usage = ask(sim.url, "b")
+    assert usage["prompt_tokens_details"] is None
