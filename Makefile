@@ -29,7 +29,7 @@ SERVICE_USER ?= epd-flask
 
 export EPD_ROSTER
 
-.PHONY: run test test-vllm chaos lint bench reload check-roster install-service service-unit clean
+.PHONY: run test test-vllm chaos lint bench bench-fleet reload check-roster install-service service-unit clean
 
 $(STAMP): setup.cfg setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -81,6 +81,11 @@ $(BENCH_VENV)/.installed:
 ## bench: epd-flask vs direct-to-decode vs vllm-router on loopback; writes docs/benchmarks.md
 bench: $(STAMP) $(BENCH_VENV)/.installed
 	$(BIN)/python tests/bench/run.py --router $(BENCH_VENV)/bin/vllm-router $(BENCH_ARGS)
+
+## bench-fleet: routing policies on a simulated 4 prefill + 4 decode fleet with a cost model,
+## epd-flask's policies vs vllm-router's; writes docs/benchmarks.md (a few minutes)
+bench-fleet: $(STAMP) $(BENCH_VENV)/.installed
+	$(BIN)/python tests/bench/fleet.py --router $(BENCH_VENV)/bin/vllm-router $(BENCH_ARGS)
 
 check-roster: $(STAMP)
 	$(BIN)/epd-flask-check-roster $(EPD_ROSTER)

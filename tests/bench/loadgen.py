@@ -37,6 +37,8 @@ class Conn:
         self.addr = (host, port)
         self.sock: socket.socket | None = None
         self.buf = b""
+        # Every gap between body chunks of the last answer, in seconds (replay.py's ITL).
+        self.gaps: list[float] = []
 
     def _connect(self) -> socket.socket:
         sock = socket.create_connection(self.addr)
@@ -91,6 +93,7 @@ class Conn:
             name, _, value = line.partition(b":")
             headers[name.strip().lower()] = value.strip()
         parts: list[bytes] = []
+        self.gaps = []
         first = 0.0
         last = 0.0
         gap = 0.0
@@ -109,6 +112,7 @@ class Conn:
                 now = time.perf_counter() - t0
                 if chunks:
                     gap = max(gap, now - last)
+                    self.gaps.append(now - last)
                 else:
                     first = now
                 last = now
