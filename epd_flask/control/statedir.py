@@ -144,37 +144,67 @@ class StateDir:
 
     # -- health snapshots ----------------------------------------------------------------
 
-    def write_health(self, pid: int, entries: Mapping[str, Any]) -> None:
+    def write_health(self, worker: int | str, entries: Mapping[str, Any]) -> None:
+        """Replace the snapshot of ``worker``: its pid, or ``<pid>-<n>`` for a further
+        worker in the same process (see ``fleet.rostersync.snapshot_name``)."""
+        pid = int(str(worker).split("-", 1)[0])
         doc = {"pid": pid, "written_at": time.time(), "instances": entries}
-        atomic_write(self.path / f"{HEALTH_PREFIX}{pid}{HEALTH_SUFFIX}",
+        atomic_write(self.path / f"{HEALTH_PREFIX}{worker}{HEALTH_SUFFIX}",
                      json.dumps(doc).encode())
 
     def read_health(self) -> dict[str, dict[str, Any]]:
-        """Every worker's snapshot merged: per instance, the most recent observation wins."""
-        merged: dict[str, dict[str, Any]] = {}
+        """Every worker's snapshot merged, per instance (see ``merge_health``)."""
+        entries: dict[str, list[dict[str, Any]]] = {}
         for path in self.path.glob(f"{HEALTH_PREFIX}*{HEALTH_SUFFIX}"):
             try:
                 doc = json.loads(path.read_text(encoding="utf-8"))
-                entries = doc["instances"]
-                for url, entry in entries.items():
-                    best = merged.get(url)
-                    if best is None or entry.get("changed_at", 0) > best.get("changed_at", 0):
-                        merged[url] = entry
+                for url, entry in doc["instances"].items():
+                    if isinstance(entry, dict):
+                        entries.setdefault(url, []).append(entry)
             except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 continue  # a snapshot being replaced or left half-read: the others suffice
-        return merged
+        return {url: merge_health(found) for url, found in entries.items()}
 
     def prune_health(self, keep: int) -> None:
         """Drop snapshots of workers that no longer run (their knowledge lives on in the
         snapshots of the workers that read them at boot)."""
         for path in self.path.glob(f"{HEALTH_PREFIX}*{HEALTH_SUFFIX}"):
             try:
-                pid = int(path.name[len(HEALTH_PREFIX):-len(HEALTH_SUFFIX)])
+                pid = int(path.name[len(HEALTH_PREFIX):-len(HEALTH_SUFFIX)].split("-", 1)[0])
             except ValueError:
                 continue
             if pid != keep and not _running(pid):
                 with contextlib.suppress(OSError):
                     path.unlink()
+
+
+def merge_health(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """One instance's health as several workers saw it: the most recent observation wins,
+    except that a worker still counting failures below the threshold (live, ``failures`` >
+    0) does not undo another's eviction. Its newest observation is a failure too; had it
+    seen an answer after that eviction, a later success or rejoin would say so. Taking its
+    "live" would send a new worker's traffic to an instance its siblings gave up on, until
+    its own probes evicted it again; an eviction inherited wrongly costs one probe, which
+    a new worker sends at once.
+    """
+    def when(entry: dict[str, Any]) -> float:
+        try:
+            return float(entry.get("changed_at") or 0)
+        except (TypeError, ValueError):
+            return 0.0
+
+    def failing(entry: dict[str, Any]) -> bool:
+        try:
+            return bool(entry.get("live")) and int(entry.get("failures") or 0) > 0
+        except (TypeError, ValueError):
+            return False
+
+    newest = max(entries, key=when)
+    if failing(newest):
+        latest = max((e for e in entries if not failing(e)), key=when, default=None)
+        if latest is not None and not latest.get("live"):
+            return latest
+    return newest
 
 
 def atomic_write(path: str | os.PathLike[str], data: bytes) -> None:

@@ -30,6 +30,19 @@ SYNC_INTERVAL = 0.2  # seconds: how soon a worker follows a change published by 
 #: The reload tally's source label for admin API changes.
 ADMIN = "admin"
 
+_fleets_in_process: dict[int, int] = {}
+
+
+def snapshot_name() -> str:
+    """The name of a new worker's health snapshot: its pid, or ``<pid>-<n>`` for the n-th
+    fleet in one process. Every worker must write its own: several apps in one process
+    (the in-process tests, an embedding) would otherwise replace each other's snapshot, and
+    an eviction one of them wrote could be gone, overwritten by a sibling that never saw the
+    instance fail, before the next worker boots and reads it."""
+    pid = os.getpid()
+    n = _fleets_in_process[pid] = _fleets_in_process.get(pid, 0) + 1
+    return str(pid) if n == 1 else f"{pid}-{n}"
+
 
 class RosterHolder(Protocol):
     roster: Roster
@@ -52,6 +65,7 @@ class Fleet:
                               backoff=SYNC_INTERVAL * 10)
         self._seen: tuple[int, int, int] | None = None
         self._written = -1
+        self._snapshot = snapshot_name()
 
     # -- adopting rosters ----------------------------------------------------------------
 
@@ -188,6 +202,6 @@ class Fleet:
     def _write_health(self) -> None:
         assert self.state is not None
         version = self.registry.version
-        self.state.write_health(os.getpid(), self.registry.export())
+        self.state.write_health(self._snapshot, self.registry.export())
         self._written = version
 

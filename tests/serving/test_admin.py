@@ -214,6 +214,27 @@ def test_a_change_in_one_worker_reaches_the_others(fleet, tmp_path: Path) -> Non
     assert d1.url in c.services.registry.snapshot()["decode"]["evicted"]
 
 
+def test_a_sibling_writing_later_does_not_hide_an_eviction(fleet, tmp_path: Path) -> None:
+    """b evicts d1; a, which has seen d1 fail only once, writes its snapshot afterwards (its
+    sync greenlet does so whenever its registry changes). The next worker still inherits
+    the eviction: a's snapshot neither replaces b's nor outranks it."""
+    _, d1, _, _, start = fleet
+    state = tmp_path / "state"
+    StateDir(state).ensure()
+    a, b = start(state_dir=str(state)), start(state_dir=str(state))
+    a.services.fleet.start()
+    b.services.fleet.start()
+    for _ in range(4):
+        b.services.registry.record_failure(d1.url, "refused")
+    b.services.fleet.sync()
+    a.services.registry.record_failure(d1.url, "refused")  # below the threshold: still live
+    a.services.fleet.sync()
+    assert len(list(state.glob("health-*.json"))) == 2
+    c = start(state_dir=str(state))
+    c.services.fleet.start()
+    assert d1.url in c.services.registry.snapshot()["decode"]["evicted"]
+
+
 def test_a_worker_follows_a_roster_published_while_it_booted(fleet, tmp_path: Path) -> None:
     """The roster a worker boots with is read before its services start; a publication in
     between must still be adopted (it once went unnoticed, leaving the worker on the old

@@ -23,7 +23,7 @@ from epd_flask.control.roster import (
     parse_instance,
 )
 from epd_flask.control.rosterfile import RosterFileError, register, unregister
-from epd_flask.control.statedir import STATE_DIR_ENV, StateDir, atomic_write
+from epd_flask.control.statedir import STATE_DIR_ENV, StateDir, atomic_write, merge_health
 from epd_flask.fleet.registry import Registry
 from epd_flask.fleet.routing import Router
 
@@ -227,6 +227,18 @@ def test_state_dir_publishes_generations_and_merges_health(tmp_path: Path) -> No
     assert state.read_health()["http://h:1"]["live"] is False  # the newer observation
     state.prune_health(os.getpid())  # pid 1<<22 is not running
     assert sorted(p.name for p in tmp_path.glob("health-*")) == [f"health-{os.getpid()}.json"]
+
+
+def test_an_eviction_outranks_a_newer_failure_below_the_threshold() -> None:
+    evicted = {"role": "decode", "live": False, "failures": 3, "changed_at": 20.0}
+    failing = {"role": "decode", "live": True, "failures": 1, "changed_at": 30.0}
+    rejoined = {"role": "decode", "live": True, "failures": 0, "changed_at": 25.0}
+    assert merge_health([failing, evicted]) is evicted
+    assert merge_health([evicted, failing]) is evicted
+    # An answer seen after the eviction undoes it, and a later failure does not bring it back.
+    assert merge_health([evicted, rejoined, failing]) is failing
+    assert merge_health([evicted, {**rejoined, "changed_at": 40.0}]) is not evicted
+    assert merge_health([failing, {**failing, "failures": "x"}]) is not None
 
 
 def test_the_lock_excludes_other_holders(tmp_path: Path) -> None:
