@@ -28,6 +28,9 @@ CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "tell me
 DECODE_ARGS = ("--token-delay-ms", "10", "--output-tokens", "400", "--record-limit", "5000")
 SHORT_TOKENS = 20  # ~0.2 s per stream
 LONG_TOKENS = 150  # ~1.5 s: straddles a reload
+#: ~8 s at 20 ms a token: still draining on an old worker after its successors booted on a
+#: loaded machine.
+DRAINED_TOKENS = 400
 KEY = "e2e-admin-key"
 # Ours: "2026-01-01 10:00:00,123 [pid] ..."; gunicorn's: "[2026-01-01 10:00:00 +0000] [pid] ..."
 LOG_TIME = re.compile(r"^\[?(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)(?:,(\d{3})| [+-]\d{4}\])"
@@ -330,7 +333,9 @@ def test_an_edit_applies_while_an_earlier_reload_still_drains(procs, tmp_path) -
     streams (up to graceful_timeout) before it handles the next signal. A second edit +
     SIGHUP must still reach the workers at once, not when the long stream ends."""
     p = procs["sim"]("prefill")
-    d1, d2 = procs["sim"]("decode", *DECODE_ARGS), procs["sim"]("decode", *DECODE_ARGS)
+    d1 = procs["sim"]("decode", "--token-delay-ms", "20", "--output-tokens", str(DRAINED_TOKENS),
+                      "--record-limit", "5000")
+    d2 = procs["sim"]("decode", *DECODE_ARGS)
     roster_file = tmp_path / "roster.yaml"
     pre, first = {"role": "prefill", "url": p.url}, {"role": "decode", "url": d1.url}
     write_roster(roster_file, [pre, first], probe_interval=0.5)
@@ -340,13 +345,18 @@ def test_an_edit_applies_while_an_earlier_reload_still_drains(procs, tmp_path) -
 
     def long_stream() -> None:
         with requests.Session() as s:
-            assert stream(s, gw.url, 300)["complete"]  # ~3 s
+            assert stream(s, gw.url, DRAINED_TOKENS)["complete"]
         long_done.append(time.time())
 
     g = gevent.spawn(long_stream)
     wait_for(lambda: d1.stats()["in_flight"] > 0, what="the long stream")
     os.kill(gw.proc.pid, signal.SIGHUP)  # reload 1: its old worker drains the long stream
-    time.sleep(0.5)
+    # The second edit is for the workers reload 1 started: wait until they serve (a boot
+    # takes seconds on a loaded machine; until then only a draining worker, which stops
+    # accepting within a second, could take a request at all).
+    wait_for(lambda: len(log_lines(gw, "inherited the health")) >= 2, timeout=30,
+             what="the workers of the first reload")
+    assert d1.stats()["in_flight"] > 0, "the long stream ended before the new workers booted"
     write_roster(roster_file, [pre, first, {"role": "decode", "url": d2.url}],
                  probe_interval=0.5)
     hup2 = time.time()
