@@ -15,6 +15,8 @@ import os
 import shutil
 import signal
 import tempfile
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,9 +45,17 @@ class Handoff:
 
 
 _handoff: Handoff | None = None
-_busy = False
-_pending = False
 _last_read: tuple[int, int, int] | None = None
+#: When the last refresh started reading, and when the last SIGHUP arrived (monotonic): a
+#: refresh that started after the signal already saw what the signal asked for.
+_read_at = -1.0
+_hup_at = 0.0
+#: One refresh at a time: the reload thread's, or gunicorn's on_reload in the main thread.
+_lock = threading.Lock()
+#: The SIGHUP handler writes a byte here, the reload thread reads it (a pipe, not an Event:
+#: a handler that takes a lock can deadlock against itself when two signals arrive at once).
+_wake: tuple[int, int] | None = None
+_thread: threading.Thread | None = None
 
 
 def handed_over() -> Handoff | None:
@@ -68,6 +78,9 @@ def start(server: Any) -> None:
     except RosterError as exc:
         cleanup(server)
         raise RuntimeError(f"cannot start epd-flask: {exc}") from None
+    except BaseException:
+        cleanup(server)  # whatever stops start-up, the state directory goes with it
+        raise
     problem = admin_write_problem(path) if settings.read("ADMIN_API_KEY") else None
     if problem:
         cleanup(server)
@@ -89,20 +102,33 @@ def install_hup_handler(server: Any) -> None:
     gunicorn queues signals and handles them one by one in its main loop, and its reload
     waits there until the old workers have finished their streams (up to graceful_timeout,
     minutes for long generations, and as long as an idle keep-alive connection from nginx
-    stays open). A second edit + SIGHUP in that window would wait too. This handler runs
-    when the signal arrives, validates and publishes the roster, so running workers follow
-    within SYNC_INTERVAL; gunicorn's queued reload still happens later and finds the work
-    done. It never raises: an exception would surface in whatever the master was doing.
+    stays open). A second edit + SIGHUP in that window would wait too. So this handler, run
+    when the signal arrives, wakes a thread of the master that validates and publishes the
+    roster, and running workers follow within SYNC_INTERVAL; gunicorn's queued reload still
+    happens later and finds the work done. The handler itself only writes a byte to a pipe
+    and chains to gunicorn's: parsing a roster inside a signal handler would hold the master
+    wherever the signal interrupted it (seconds for a large file). SIGHUPs that arrive while
+    a refresh runs fold into one more pass.
     """
+    global _thread, _wake
     previous = signal.getsignal(signal.SIGHUP)
     if getattr(previous, "epd_early_reload", False):
         return
     master_pid = os.getpid()
+    if _thread is None or not _thread.is_alive():
+        _wake = os.pipe()
+        os.set_blocking(_wake[1], False)
+        _thread = threading.Thread(target=_reload_loop, args=(server, _wake[0]), daemon=True,
+                                   name="epd-roster-reload")
+        _thread.start()
+    wake = _wake
 
     def on_hup(signum: int, frame: Any) -> None:
-        if os.getpid() == master_pid:
-            with contextlib.suppress(Exception):
-                refresh(server)
+        global _hup_at
+        if os.getpid() == master_pid and wake is not None:
+            _hup_at = time.monotonic()
+            with contextlib.suppress(OSError):  # full pipe: a refresh is pending anyway
+                os.write(wake[1], b"!")
         if callable(previous):
             previous(signum, frame)
 
@@ -110,39 +136,36 @@ def install_hup_handler(server: Any) -> None:
     signal.signal(signal.SIGHUP, on_hup)
 
 
+def _reload_loop(server: Any, wake: int) -> None:
+    while os.read(wake, 4096):  # every SIGHUP that arrived meanwhile, in one pass
+        with contextlib.suppress(Exception), _lock:
+            # gunicorn's on_reload may have got there first (same file, read after the
+            # signal): reading it again would only log the same rejection twice.
+            if _read_at < _hup_at or _file_signature(roster_path()) != _last_read:
+                _refresh_once(server)
+
+
 def on_reload(server: Any) -> None:
-    """gunicorn's ``on_reload``: the SIGHUP handler normally did the work already; re-read
-    only a file that changed since (or when the handler is not installed)."""
-    if _last_read is not None and _file_signature(roster_path()) == _last_read:
-        return
-    refresh(server)
+    """gunicorn's ``on_reload``: the reload thread normally did the work already (waited
+    for here, so new workers start from its result); re-read only a file that changed since
+    (or when the handler is not installed)."""
+    with _lock:
+        if _last_read is not None and _file_signature(roster_path()) == _last_read:
+            return
+        _refresh_once(server)
 
 
 def refresh(server: Any) -> None:
     """Adopt a valid roster, keep the last good one otherwise; never raises (an exception
-    escaping a master hook would exit the master).
-
-    Re-entrant calls (a SIGHUP arriving while a refresh runs) are folded into one more pass
-    of the refresh that is running.
-    """
-    global _busy, _pending
-    if _busy:
-        _pending = True
-        return
-    _busy = True
-    try:
-        while True:
-            _pending = False
-            _refresh_once(server)
-            if not _pending:
-                break
-    finally:
-        _busy = False
+    escaping a master hook would exit the master)."""
+    with _lock:
+        _refresh_once(server)
 
 
 def _refresh_once(server: Any) -> None:
-    global _handoff, _last_read
+    global _handoff, _last_read, _read_at
     path = roster_path()
+    _read_at = time.monotonic()
     _last_read = _file_signature(path)
     try:
         roster = load(path)

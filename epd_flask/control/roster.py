@@ -8,11 +8,13 @@ connectorspecs.py). ``epd-flask-check-roster FILE`` validates a file without sta
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import stat
 import sys
 from collections import Counter
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any, Literal, get_args
 from urllib.parse import urlsplit
 
@@ -23,6 +25,12 @@ from pydantic_core import PydanticCustomError
 from epd_flask.control import connectorspecs
 from epd_flask.control import settings as declared
 
+#: The keys of a roster document; a file with others is some other file.
+TOP_LEVEL_KEYS = ("settings", "instances")
+#: Flow brackets deeper than this are refused before parsing; a roster nests four levels.
+MAX_FLOW_DEPTH = 100
+_QUOTED = re.compile(r"'[^'\n]*'")
+
 Role = Literal["encode", "prefill", "decode", "prefill_decode"]
 #: The roles in the order a request meets them (also the order summaries list them in).
 ROLES: tuple[str, ...] = get_args(Role)
@@ -31,6 +39,11 @@ PrefillFailure = Literal[declared.PREFILL_FAILURES]
 
 class RosterError(ValueError):
     """A roster that must not be served; the message is written for the operator."""
+
+
+class RosterTooLarge(RosterError):
+    """More bytes or instances than the limits allow (``EPD_ROSTER_MAX_BYTES``,
+    ``EPD_ROSTER_MAX_INSTANCES``); the admin API answers 409 for it."""
 
 
 class RoleConflict(RosterError):
@@ -239,13 +252,27 @@ def check_instance(inst: Instance) -> None:
         )
 
 
-def parse(doc: Any, source: str = "<roster>") -> Roster:
-    """Validate a parsed YAML document; errors name the source, the instance and the field."""
+def parse(doc: Any, source: str = "<roster>", text: str | None = None) -> Roster:
+    """Validate a parsed YAML document; errors name the source, the instance and the field.
+
+    A document that is not a roster at all (a mapping with other top-level keys: the path
+    points at some other file) is described by its keys and their lines only, never by its
+    values; ``text`` (the file) gives those lines.
+    """
     if doc is None:
         doc = {}
     if not isinstance(doc, dict):
         raise RosterError(f"{source}: the top level must be a mapping with 'instances' and "
                           f"optional 'settings', got {type(doc).__name__}")
+    foreign = [k for k in doc if k not in TOP_LEVEL_KEYS]
+    if foreign:
+        raise RosterError(f"{source}: not a roster: {_foreign_keys(foreign, text)}; a roster "
+                          f"has only {' and '.join(repr(k) for k in TOP_LEVEL_KEYS)}")
+    instances = doc.get("instances")
+    limit = declared.read("EPD_ROSTER_MAX_INSTANCES")
+    if isinstance(instances, list) and len(instances) > limit:
+        raise RosterTooLarge(f"{source}: {len(instances)} instances, more than "
+                             f"EPD_ROSTER_MAX_INSTANCES ({limit})")
     try:
         roster = Roster.model_validate(doc)
     except ValidationError as exc:
@@ -279,16 +306,88 @@ def parse_instance(doc: Any, source: str = "instance") -> Instance:
 
 
 def load(path: str | os.PathLike[str]) -> Roster:
+    return parse_text(read_text(path), str(path))
+
+
+def read_text(path: str | os.PathLike[str]) -> str:
+    """The roster file's text, refused by its size before a byte is read (a 100 MB file
+    would hold the master in PyYAML for a minute), and when it is not a regular file (a FIFO
+    would block the read, a device never end)."""
     source = str(path)
+    limit = declared.read("EPD_ROSTER_MAX_BYTES")
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise RosterError(f"{source}: not a regular file")
+        if st.st_size > limit:
+            raise RosterTooLarge(f"{source}: {st.st_size} bytes, larger than "
+                                 f"EPD_ROSTER_MAX_BYTES ({limit})")
+        with open(path, "rb") as fh:
+            data = fh.read(limit + 1)
     except OSError as exc:
         raise RosterError(f"{source}: cannot read roster file: {exc.strerror or exc}") from None
+    if len(data) > limit:  # it grew between stat and read
+        raise RosterTooLarge(f"{source}: larger than EPD_ROSTER_MAX_BYTES ({limit})")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RosterError(f"{source}: not UTF-8 text (byte {exc.start})") from None
+
+
+def parse_text(text: str, source: str = "<roster>") -> Roster:
+    """Parse and validate roster text; errors give positions, never the text itself."""
+    depth = _flow_depth(text)
+    if depth > MAX_FLOW_DEPTH:
+        raise RosterError(f"{source}: nested more than {MAX_FLOW_DEPTH} levels deep")
     try:
         doc = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise RosterError(f"{source}: not valid YAML: {exc}") from None
-    return parse(doc, source)
+        raise RosterError(f"{source}: not valid YAML{yaml_error(exc)}") from None
+    except RecursionError:
+        raise RosterError(f"{source}: nested too deeply to be a roster") from None
+    return parse(doc, source, text)
+
+
+def yaml_error(exc: Exception) -> str:
+    """Where and what, without the snippet of the file YAML parsers add to their messages
+    (the file may be a secret the roster path was pointed at by mistake)."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    problem = getattr(exc, "problem", None) or getattr(exc, "context", None) or ""
+    return where + (f": {_QUOTED.sub(_keep_short, problem)}" if problem else "")
+
+
+def _keep_short(match: re.Match[str]) -> str:
+    """A quoted token name (``'<scalar>'``) or a single character stays; longer quoted text
+    came from the file."""
+    inner = match.group(0)[1:-1]
+    return match.group(0) if len(inner) <= 2 or re.fullmatch(r"<[\w ]+>", inner) else "'...'"
+
+
+def _flow_depth(text: str) -> int:
+    """An upper bound of the flow-collection nesting (brackets in strings and comments
+    counted too): PyYAML's scanner costs quadratic time in it, 3 s at 50,000 levels."""
+    depth = deepest = 0
+    for char in text:
+        if char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}" and depth:
+            depth -= 1
+    return deepest
+
+
+def _foreign_keys(keys: list[Any], text: str | None) -> str:
+    lines: dict[str, int] = {}
+    if text is not None:
+        with contextlib.suppress(yaml.YAMLError, RecursionError):
+            node = yaml.compose(text, Loader=yaml.SafeLoader)
+            if isinstance(node, yaml.MappingNode):
+                lines = {str(k.value): k.start_mark.line + 1 for k, _ in node.value}
+    named = [f"{str(k)[:40]!r}" + (f" (line {lines[str(k)]})" if str(k) in lines else "")
+             for k in keys[:5]]
+    more = f" and {len(keys) - 5} more" if len(keys) > 5 else ""
+    return f"unknown top-level key{'s' if len(keys) > 1 else ''} {', '.join(named)}{more}"
 
 
 def admin_write_problem(path: str | os.PathLike[str]) -> str | None:

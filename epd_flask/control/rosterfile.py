@@ -20,7 +20,18 @@ from ruamel.yaml.comments import CommentedMap, CommentedSeq
 from ruamel.yaml.error import YAMLError as RuamelError
 from ruamel.yaml.scalarstring import DoubleQuotedScalarString
 
-from epd_flask.control.roster import Instance, RoleConflict, Roster, RosterError, parse
+from epd_flask.control import settings as declared
+from epd_flask.control.roster import (
+    Instance,
+    RoleConflict,
+    Roster,
+    RosterError,
+    RosterTooLarge,
+    parse,
+    parse_text,
+    read_text,
+    yaml_error,
+)
 from epd_flask.control.statedir import atomic_write
 
 SPLIT_ROLES = frozenset({"prefill", "decode"})
@@ -106,18 +117,18 @@ def _yaml() -> YAML:
 
 
 def _read(target: Path) -> tuple[Roster, Any]:
+    """The file as a reload reads it (same limits, same errors, which never quote it),
+    then once more with ruamel.yaml for editing."""
     try:
-        text = target.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise RosterFileError(f"{target}: cannot read roster file: {exc.strerror or exc}") from None
-    try:
-        current = parse(yaml.safe_load(text), str(target))
-        doc = _yaml().load(text)
-    except (yaml.YAMLError, RuamelError) as exc:
-        raise RosterFileError(f"{target}: not valid YAML: {exc}") from None
+        text = read_text(target)
+        current = parse_text(text, str(target))
     except RosterError as exc:
         raise RosterFileError(f"the roster file is invalid, fix it before changing instances "
                               f"through the API: {exc}") from None
+    try:
+        doc = _yaml().load(text)
+    except (RuamelError, RecursionError) as exc:
+        raise RosterFileError(f"{target}: not valid YAML{yaml_error(exc)}") from None
     if doc is None:
         doc = CommentedMap()
     return current, doc
@@ -159,6 +170,10 @@ def _write(target: Path, doc: Any) -> Roster:
     out = io.StringIO()
     _yaml().dump(doc, out)
     text = out.getvalue()
+    limit = declared.read("EPD_ROSTER_MAX_BYTES")
+    if len(text.encode("utf-8")) > limit:
+        raise RosterTooLarge(f"{target}: the edited roster would be larger than "
+                             f"EPD_ROSTER_MAX_BYTES ({limit})")
     roster = parse(yaml.safe_load(text), str(target))
     try:
         atomic_write(target, text.encode("utf-8"))

@@ -150,6 +150,10 @@ def _in_flight(env: Environ) -> int:
 _ENV_VARS = (
     EnvVar("EPD_ROSTER", str, DEFAULT_ROSTER, "roster file", (MASTER, APP),
            shown="the packaged example (a checkout's `etc/roster.yaml`)", metavar="FILE"),
+    EnvVar("EPD_ROSTER_MAX_BYTES", int, 256 * 1024,
+           "a larger roster file is refused before it is read", (MASTER, APP)),
+    EnvVar("EPD_ROSTER_MAX_INSTANCES", int, 1024,
+           "a roster listing more instances is refused", (MASTER, APP)),
     EnvVar("EPD_BIND", str, None, "listen address", (GUNICORN,), default_from=_bind,
            shown="`$HOST:$PORT`", metavar="HOST:PORT"),
     EnvVar("HOST", str, "127.0.0.1", "listen host when EPD_BIND is unset", (GUNICORN,),

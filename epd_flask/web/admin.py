@@ -20,6 +20,7 @@ from epd_flask.control.roster import (
     Instance,
     RoleConflict,
     RosterError,
+    RosterTooLarge,
     normalize_url,
     parse_instance,
 )
@@ -149,6 +150,8 @@ def _change(action: Any, arg: Any) -> Any:
         return action(arg)
     except RoleConflict as exc:
         raise Conflict(str(exc), code="role_conflict") from None
+    except RosterTooLarge as exc:
+        raise Conflict(str(exc), code="roster_too_large") from None
     except RosterFileError as exc:
         raise Conflict(str(exc), code="roster_file_invalid") from None
     except RosterWriteError as exc:
