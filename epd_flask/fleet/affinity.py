@@ -12,6 +12,9 @@ conversations do not:
 - completions: the first ``PREFIX_BLOCKS`` blocks of ``PREFIX_BLOCK_CHARS`` characters of
   the prompt (the first prompt of a batch), where no message structure says where a
   conversation begins. A prompt shorter than one block is hashed whole.
+A chat's system prompt (the messages before the first ``user`` one) is also hashed on its
+own (``shared``): the conversations of one system prompt are kept on half of the instances
+(``policies.tiered_order``), so each of those computes it once, not every instance.
 At most ``MAX_ANCHOR_CHARS`` characters are hashed, so the cost per request is bounded
 (blake2b: ~1 µs per KiB).
 
@@ -78,6 +81,17 @@ def chat_anchor(messages: list[Any]) -> str:
     return "".join(pieces)
 
 
+def chat_shared(messages: list[Any]) -> str:
+    """The messages before the first ``user`` one (system or developer prompts): what many
+    conversations share; empty when there are none."""
+    pieces: list[str] = []
+    for message in messages:
+        if not isinstance(message, dict) or message.get("role") == "user":
+            break
+        pieces.append(f"{message.get('role')}\x1e{_text(message.get('content'))}\x1d")
+    return "".join(pieces)[:MAX_ANCHOR_CHARS]
+
+
 def completion_anchor(prompt: Any) -> str:
     text = _prompt_text(prompt)
     blocks = min(len(text) // PREFIX_BLOCK_CHARS, PREFIX_BLOCKS)
@@ -106,7 +120,9 @@ def request_affinity(body: dict[str, Any]) -> Affinity:
     messages = body.get("messages")
     anchor = chat_anchor(messages) if isinstance(messages, list) \
         else completion_anchor(body.get("prompt"))
+    shared = chat_shared(messages) if isinstance(messages, list) else ""
     user = body.get("user")
     session = _hash("user\x1e" + user) if isinstance(user, str) and user else None
-    return Affinity(prefix=_hash(anchor) if anchor else None, session=session,
+    return Affinity(prefix=_hash(anchor) if anchor else None,
+                    shared=_hash(shared) if shared else None, session=session,
                     prompt_tokens=estimate_tokens(body))

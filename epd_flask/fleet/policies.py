@@ -30,12 +30,14 @@ class Affinity:
     """What one request offers the affinity policies, computed once from its body.
 
     ``prefix``: a stable hash of the prompt's leading part (``fleet/affinity.py``);
+    ``shared``: a hash of the part many conversations share (a chat's system prompt), or None;
     ``session``: a hash of the client's session identity (the ``user`` field), or None;
     ``prompt_tokens``: the prompt's estimated length. ``decisions`` collects one
     ``role:policy(why)`` per pick for the request's log line.
     """
 
     prefix: bytes | None = None
+    shared: bytes | None = None
     session: bytes | None = None
     prompt_tokens: int = 0
     decisions: list[str] = field(default_factory=list)
@@ -64,6 +66,21 @@ def rendezvous_order(key: bytes, candidates: Sequence[Instance]) -> list[Instanc
     return sorted(candidates, key=lambda inst: (score(key, inst.url), inst.url), reverse=True)
 
 
+def tiered_order(shared: bytes, key: bytes, candidates: Sequence[Instance],
+                 spread: float) -> list[Instance]:
+    """``key``'s rendezvous order within the ``spread`` share of the candidates that rank
+    highest for ``shared``, then within the rest.
+
+    Conversations that share a system prompt then share a few instances (each computes that
+    prompt once) instead of all of them, while each conversation still has one home. Still a
+    pure function of the keys and the URLs: the same everywhere, and a joining or leaving
+    instance moves only what it wins or held in either tier.
+    """
+    tier = rendezvous_order(shared, candidates)
+    size = max(1, math.ceil(spread * len(tier)))
+    return rendezvous_order(key, tier[:size]) + rendezvous_order(key, tier[size:])
+
+
 def load_bound(loads: Sequence[int], factor: float) -> int:
     """The most requests one instance may hold before the next one is placed elsewhere:
     ``ceil(factor * (total + 1) / n)``, consistent hashing with bounded loads (Mirrokni,
@@ -73,9 +90,12 @@ def load_bound(loads: Sequence[int], factor: float) -> int:
 
 def bounded_rendezvous(key: bytes, candidates: Sequence[Instance],
                        load: Callable[[Instance], int], factor: float,
-                       policy: str) -> Decision:
-    """The first instance in ``key``'s rendezvous order whose load is under the bound."""
-    order = rendezvous_order(key, candidates)
+                       policy: str, shared: bytes | None = None,
+                       spread: float = 1.0) -> Decision:
+    """The first instance in ``key``'s rendezvous order (tiered by ``shared`` when given)
+    whose load is under the bound."""
+    order = rendezvous_order(key, candidates) if shared is None or spread >= 1.0 \
+        else tiered_order(shared, key, candidates, spread)
     bound = load_bound([load(i) for i in candidates], factor)
     for rank, inst in enumerate(order):
         if load(inst) < bound:

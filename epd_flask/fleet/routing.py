@@ -30,6 +30,9 @@ from epd_flask.fleet.registry import Registry
 _CURRENT: contextvars.ContextVar[Affinity | None] = contextvars.ContextVar(
     "epd_routing_affinity", default=None)
 AFFINITY_POLICIES = (policies.PREFIX, policies.KV_AWARE, policies.SESSION)
+#: The share of a role's instances the conversations of one system prompt are kept on (see
+#: ``policies.tiered_order``): half, so a few system prompts still cover the whole fleet.
+SHARED_SPREAD = 0.5
 
 
 @contextmanager
@@ -121,7 +124,7 @@ class Router:
                 factor = self._settings().routing_load_factor if self._settings else \
                     declared.default("routing_load_factor")
                 decision = policies.bounded_rendezvous(key, candidates, self.load, factor,
-                                                       policy)
+                                                       policy, affinity.shared, SHARED_SPREAD)
                 if fallback:
                     return Decision(decision.instance, policy, decision.outcome,
                                     "prefix:" + decision.why)

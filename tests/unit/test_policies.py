@@ -173,3 +173,23 @@ def test_known_policies_parse() -> None:
     assert roster.settings.routing["prefill"] == "prefix"
     with pytest.raises(RosterError):
         parse({"settings": {"routing_load_factor": 0.5}, "instances": []})
+
+
+def test_conversations_of_one_system_prompt_stay_on_half_the_instances() -> None:
+    instances = prefills(4)
+    system = b"one system prompt"
+    homes = {policies.tiered_order(system, k, instances, 0.5)[0].url for k in keys(200)}
+    assert len(homes) == 2  # each of those computes the system prompt; the other two never
+    other = {policies.tiered_order(b"another", k, instances, 0.5)[0].url for k in keys(200)}
+    assert len(other) == 2
+    # Each conversation still has one home, the same in every call.
+    assert all(policies.tiered_order(system, k, instances, 0.5)
+               == policies.tiered_order(system, k, instances, 0.5) for k in keys(20))
+
+
+def test_chat_shared_key_is_the_system_prompt() -> None:
+    system = {"role": "system", "content": "be brief"}
+    a = affinity.request_affinity({"messages": [system, {"role": "user", "content": "a"}]})
+    b = affinity.request_affinity({"messages": [system, {"role": "user", "content": "b"}]})
+    bare = affinity.request_affinity({"messages": [{"role": "user", "content": "a"}]})
+    assert a.shared == b.shared is not None and a.prefix != b.prefix and bare.shared is None
