@@ -17,12 +17,18 @@ def pd_roster(prefills: list[Any], decodes: list[Any], **settings: Any) -> dict[
 
 
 class NoDelayHandler(WSGIHandler):
-    """pywsgi without Nagle, like gunicorn (its listener sets TCP_NODELAY): otherwise every
-    small response waits ~40 ms for the client's delayed ACK."""
+    """pywsgi like gunicorn's gevent worker: without Nagle (its listener sets TCP_NODELAY;
+    otherwise every small response waits ~40 ms for the client's delayed ACK), and with the
+    client connection in the environ as ``gunicorn.socket``, where the proxy watches it."""
 
     def handle(self) -> None:
         self.socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         super().handle()
+
+    def get_environ(self) -> dict[str, Any]:
+        env = super().get_environ()
+        env["gunicorn.socket"] = self.socket
+        return env
 
 
 def free_port() -> int:

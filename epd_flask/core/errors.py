@@ -1,7 +1,8 @@
 """The proxy's error taxonomy and its rendering in OpenAI's error shape.
 
-Every failure a client can see is one of these classes; the class says the status, whether
-the request may be retried on another instance, and which stage failed. Rendering happens in
+Every failure a client can see is one of these classes; the class says the status and which
+stage failed, and ``worth_another_instance`` (the one place) whether the work may run again
+elsewhere. Rendering happens in
 one place (``render``/``sse_event``) so the wire shape cannot drift between code paths.
 Imports nothing of ours.
 """
@@ -19,7 +20,6 @@ class ProxyError(Exception):
     status: int = 500
     type: str = "internal_error"
     code: str = "internal_error"
-    retryable: bool = False
     request_id: str | None = None
     #: Seconds a client should wait before trying again (sent as ``Retry-After``), if any.
     retry_after: int | None = None
@@ -51,6 +51,13 @@ class ProxyError(Exception):
         low-level reason, which the client's copy (``payload``) never carries."""
         extra = "; ".join(x for x in (self.instance, self.detail) if x)
         return f"{self.message} [{extra}]" if extra else self.message
+
+    @property
+    def retryable(self) -> bool:
+        """Whether the request may run again (on other instances) after failing with this,
+        before anything reached its client: the work is worth another instance, and the
+        stage that failed is not one whose failure ends the request."""
+        return self.stage not in FINAL_STAGES and worth_another_instance(self)
 
     def payload(self) -> dict[str, Any]:
         return {
@@ -169,12 +176,11 @@ class BackendError(ProxyError):
 
 
 class BackendUnavailable(BackendError):
-    """The instance could not be reached (refused, reset before a response): safe to retry
-    elsewhere because the instance never started the work."""
+    """The instance could not be reached (refused, reset before a response): the instance
+    never started the work."""
 
     status = 503
     code = "upstream_unavailable"
-    retryable = True
 
 
 class BackendTimeout(BackendError):
@@ -190,7 +196,8 @@ class AnswerTooLarge(BackendError):
 
 
 class StreamInterrupted(BackendError):
-    """The upstream died after bytes reached the client: reported in band, never retried."""
+    """The upstream's answer was cut before its end: before anything reached the client the
+    work may run elsewhere; after, it is reported in band."""
 
     code = "stream_interrupted"
 
@@ -204,8 +211,7 @@ class EventTooLarge(StreamInterrupted):
 class BackendStatus(BackendError):
     """The instance answered with an error status.
 
-    4xx answers are the client's own fault as vLLM judged it, so its body is relayed as is;
-    5xx answers may be retried before the first byte reached the client.
+    4xx answers are the client's own fault as vLLM judged it, so its body is relayed as is.
     """
 
     def __init__(
@@ -223,7 +229,6 @@ class BackendStatus(BackendError):
                          detail=detail)
         self.body = body
         self.content_type = content_type
-        self.retryable = upstream_status >= 500
         if upstream_status < 500:
             self.type = "invalid_request_error"
             self.code = "upstream_rejected"
@@ -236,6 +241,24 @@ def instance_label(url: str | None) -> str:
     if not url:
         return "?"
     return hashlib.blake2s(url.encode(), digest_size=3, person=b"epd-inst").hexdigest()
+
+
+#: Stages whose failure ends the request: a failed encoder call already went once to another
+#: encoder (see ``fanout``), and the request as a whole does not run again (M4).
+FINAL_STAGES = frozenset({"encode"})
+
+
+def worth_another_instance(err: ProxyError) -> bool:
+    """Whether work that failed with ``err`` may run again on another instance; asked only
+    while nothing of its answer reached the client.
+
+    Yes when the instance never started it (unreachable), failed it itself (5xx) or died
+    before its answer was complete. Not for a 4xx (the request is wrong: any instance would
+    refuse it), a timeout (the stage's time is used up) or anything of the proxy's own.
+    """
+    if isinstance(err, (BackendUnavailable, StreamInterrupted)):
+        return True
+    return isinstance(err, BackendStatus) and err.status >= 500
 
 
 def render(err: ProxyError) -> tuple[int, bytes, str]:

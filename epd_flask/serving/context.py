@@ -1,9 +1,10 @@
 """One client request's identity and bookkeeping, carried through every stage, and the one log
 line written from it.
 
-Plain data: the pipeline opens and closes upstream legs and records stage timings, the relay
-adds what it streamed, and ``finish`` writes the request's log line (logfmt or JSON, a process
-setting) and tells the observers, exactly once, whichever path ends the request.
+Plain data: each upstream call is a ``leg`` block (open at its start, closed however the block
+ends), the pipeline records stage timings, the relay adds what it streamed, and ``finish``
+writes the request's log line (logfmt or JSON, a process setting) and tells the observers,
+exactly once, whichever path ends the request.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
@@ -47,14 +49,23 @@ def configure(log_format: str = "logfmt", upstream_calls: bool = False) -> None:
     SETTINGS.upstream_calls = upstream_calls
 
 
-@dataclass
-class Leg:
+@dataclass(eq=False)
+class OpenLeg:
     """One upstream call of the request, open from the send until its answer is consumed."""
 
     stage: str
     role: str
     url: str
     started: float = field(default_factory=time.monotonic)
+    #: The upstream's status, for the log line when the leg ends well.
+    status: int | None = None
+    held: bool = False
+    closed: bool = False
+
+    def hold(self) -> None:
+        """The answer outlives the block (a stream the relay forwards): the leg stays open
+        until the request finishes."""
+        self.held = True
 
 
 @dataclass
@@ -72,16 +83,16 @@ class RequestContext:
     timings: dict[str, float] = field(default_factory=dict)
     instances: dict[str, str] = field(default_factory=dict)
     failed: set[str] = field(default_factory=set)
-    legs: list[Leg] = field(default_factory=list)
+    legs: list[OpenLeg] = field(default_factory=list)
     retries: int = 0
     chunks: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
     status: int | None = None
     error: str | None = None
-    # Asks the server whether the client already hung up (it can tell, gunicorn's gevent
-    # worker can); without one, a departure is noticed at the first write.
-    client_gone: Callable[[], bool] = field(default=lambda: False, repr=False)
+    # Asks the server whether the client already hung up (when it can tell: gunicorn's
+    # workers can); without one, a departure is noticed at the first write.
+    client_gone: Callable[[], bool] | None = field(default=None, repr=False)
     # One ``role:policy(why)`` per routing decision (docs/behaviour.md#routing-policies).
     routing: list[str] = field(default_factory=list)
     # Told of every upstream call opened (+1) and closed (-1): the load routing reads.
@@ -109,32 +120,46 @@ class RequestContext:
         self.retries += 1
         events.retry.fire(err.stage or "unknown", err.code)
 
-    def leg_open(self, stage: str, role: str, url: str) -> None:
-        self.legs.append(Leg(stage, role, url))
+    @contextmanager
+    def leg(self, stage: str, role: str, url: str) -> Iterator[OpenLeg]:
+        """One upstream call as a block: open from here, closed when the block ends (unless
+        ``hold`` hands it on). A ``ProxyError`` leaving the block counts against the call, and
+        when the work is worth another instance this one is avoided by the next attempt; any
+        other way out (the request killed, its client gone) closes it blaming nobody."""
+        leg = OpenLeg(stage, role, url)
+        self.legs.append(leg)
         if self.on_leg is not None:
             self.on_leg(url, 1)
         events.upstream_opened.fire(role, url)
+        try:
+            yield leg
+        except ProxyError as err:
+            self._close(leg, error=err)
+            if err.retryable:
+                self.failed.add(url)
+            raise
+        except BaseException:
+            self._close(leg)
+            raise
+        if not leg.held:
+            self._close(leg)
 
-    def leg_close(self, stage: str, url: str, status: int | None = None,
-                  error: ProxyError | None = None) -> None:
-        """End the oldest open leg of ``stage`` to ``url``; a failure counts against it."""
-        for i, leg in enumerate(self.legs):
-            if leg.stage == stage and leg.url == url:
-                del self.legs[i]
-                break
-        else:
+    def _close(self, leg: OpenLeg, error: ProxyError | None = None) -> None:
+        if leg.closed:
             return
+        leg.closed = True
+        self.legs.remove(leg)
         if self.on_leg is not None:
             self.on_leg(leg.url, -1)
         events.upstream_closed.fire(leg.role, leg.url)
         if error is not None:
-            events.upstream_error.fire(stage, url, error.code)
+            events.upstream_error.fire(leg.stage, leg.url, error.code)
         if SETTINGS.upstream_calls:
             ms = round((time.monotonic() - leg.started) * 1000.0, 3)
-            outcome = f"error={_logfmt_value(error.message)}" if error else f"status={status}"
+            outcome = f"error={_logfmt_value(error.message)}" if error else f"status={leg.status}"
             upstream_logger.info(
                 "request_id=%s upstream_id=%s stage=%s role=%s instance=%s ms=%s %s",
-                self.request_id, self.upstream_id, stage, leg.role, url, ms, outcome)
+                self.request_id, self.upstream_id, leg.stage, leg.role, leg.url, ms, outcome)
 
     def finish(self, status: int | None = None, error: str | ProxyError | None = None) -> None:
         """Write the request's single log line and tell the observers, once, whichever path
@@ -155,7 +180,9 @@ class RequestContext:
         self.mark(TOTAL, self.started)
         for leg in list(self.legs):
             blamed = failure if failure is not None and failure.stage == leg.stage else None
-            self.leg_close(leg.stage, leg.url, status=self.status, error=blamed)
+            if leg.status is None:
+                leg.status = self.status
+            self._close(leg, error=blamed)
         if logger.isEnabledFor(logging.INFO):  # no formatting cost when nobody reads it
             logger.info("%s", self.log_line())
         events.request_finished.fire(self)

@@ -73,9 +73,8 @@ class EncodeStage:
             answers = self.fanout.run(calls, concurrency=settings.encoder_concurrency,
                                       timeout=settings.encoder_timeout, ctx=ctx,
                                       alternate=partial(self._other_encoder, model=ctx.model))
-        except BackendStatus as err:
-            err.retryable = False  # the encoder's own status reaches the client
-            raise
+        except BackendStatus:
+            raise  # the encoder's own status reaches the client
         except BackendError as err:
             raise BackendError(f"encoding failed: {err.message}", code=err.code,
                                stage=ENCODE_STAGE, instance=err.instance) from err

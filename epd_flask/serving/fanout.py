@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,15 +22,14 @@ from gevent.pool import Pool
 
 from epd_flask.control.roster import Instance
 from epd_flask.core.errors import (
-    BackendStatus,
     BackendTimeout,
     BackendUnavailable,
     ProxyError,
-    StreamInterrupted,
     instance_label,
+    worth_another_instance,
 )
 from epd_flask.fleet.registry import Registry
-from epd_flask.serving.context import RequestContext
+from epd_flask.serving.context import OpenLeg, RequestContext
 from epd_flask.upstream.transport import Transport, encode_json
 
 logger = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ class Fanout:
               targets: list[Instance], alternate: Alternate | None) -> bytes | ProxyError:
         """One encoder request and, when allowed, its one retry on another encoder."""
         outcome = self._send(call.target, call, timeout, ctx)
-        if not isinstance(outcome, ProxyError) or not _worth_another_encoder(outcome) \
+        if not isinstance(outcome, ProxyError) or not worth_another_instance(outcome) \
                 or alternate is None:
             return outcome
         other = alternate(call.target)
@@ -117,31 +117,21 @@ class Fanout:
         headers = dict(call.headers)
         headers["Content-Type"] = "application/json"
         url = target.url
-        status: int | None = None
-        failure: ProxyError | None = None
-        if ctx is not None:
-            ctx.leg_open(ENCODE_STAGE, target.role, url)
+        # With the request's context the call is one of its legs (also when the fan-out is
+        # cancelled: the leg ends with the greenlet).
+        booked = (ctx.leg(ENCODE_STAGE, target.role, url) if ctx is not None
+                  else nullcontext(OpenLeg(ENCODE_STAGE, target.role, url)))
         try:
-            resp = self.transport.send("POST", url + ENCODE_PATH, stage=ENCODE_STAGE,
-                                       headers=headers, body=encode_json(call.body),
-                                       read_timeout=timeout)
-            status = resp.status_code
-            self.transport.raise_for_status(resp, ENCODE_STAGE)
-            return self.transport.read_body(resp, ENCODE_STAGE,
-                                            max_bytes=self.transport.max_answer_bytes)
+            with booked as leg:
+                resp = self.transport.send("POST", url + ENCODE_PATH, stage=ENCODE_STAGE,
+                                           headers=headers, body=encode_json(call.body),
+                                           read_timeout=timeout)
+                leg.status = resp.status_code
+                self.transport.raise_for_status(resp, ENCODE_STAGE)
+                return self.transport.read_body(resp, ENCODE_STAGE,
+                                                max_bytes=self.transport.max_answer_bytes)
         except BackendUnavailable as err:
             self.registry.record_failure(url, str(err))
-            failure = err
             return err
         except ProxyError as err:
-            failure = err
             return err
-        finally:  # also when the fan-out is cancelled: the leg ends with the greenlet
-            if ctx is not None:
-                ctx.leg_close(ENCODE_STAGE, url, status=status, error=failure)
-
-
-def _worth_another_encoder(err: ProxyError) -> bool:
-    if isinstance(err, (BackendUnavailable, StreamInterrupted)):
-        return True
-    return isinstance(err, BackendStatus) and err.status >= 500

@@ -1,11 +1,16 @@
-"""Legs of one request that run at once: the one place a request spawns greenlets, and the
-handle that ends them.
+"""Legs of one request that run at once: the one place a request spawns greenlets, the handle
+that ends them, and the watch on the client while the request waits for them.
 
 A ``Call`` runs one upstream leg in its own greenlet and keeps its outcome (a value, or the
 ``ProxyError`` it failed with) instead of letting gevent print it. Every ``Call`` belongs to
 the client request that started it: whoever holds it stops it (``stop``) on every way out, so
-none outlives its request. Killing a greenlet blocked in ``requests`` raises ``GreenletExit``
-inside urllib3, which discards the connection: the instance sees the client go away.
+none outlives its request. Killing a greenlet blocked in urllib3 raises ``GreenletExit`` there,
+which discards the connection: the instance sees the client go away.
+
+``unless_client_leaves`` runs everything before the answer's status line that way, so a client
+that hangs up while any upstream leg is waited on (encoders, prefill, decode before its first
+byte, a whole non-stream answer) ends them all within ``CLIENT_CHECK_INTERVAL``. After the
+status line the WSGI server notices the departure at its next write and closes the relay.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from typing import Any, Generic, TypeVar
 
 import gevent
 
-from epd_flask.core.errors import ProxyError
+from epd_flask.core.errors import ClientDisconnected, ProxyError
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +30,11 @@ T = TypeVar("T")
 
 #: Longest a kill may take; a killed greenlet only runs its cleanup (closing a socket).
 KILL_TIMEOUT = 1.0
+#: How often a request waiting on upstream legs asks whether its client is still there.
+CLIENT_CHECK_INTERVAL = 0.1
+#: Where gunicorn's workers put the client connection in the WSGI environ (``-k gevent``, and
+#: the pywsgi-based worker).
+SOCKET_KEYS = ("gunicorn.socket", "gunicorn.sock")
 
 
 class Call(Generic[T]):
@@ -65,9 +75,41 @@ class Call(Generic[T]):
             self._greenlet.kill(block=True, timeout=KILL_TIMEOUT)
 
 
-def wait_any(calls: Sequence[Call[Any]], timeout: float) -> None:
+def wait_any(calls: Sequence[Call[Any]], timeout: float | None = None) -> None:
     """Block until one of ``calls`` is done or ``timeout`` passes."""
     gevent.wait([c._greenlet for c in calls], timeout=timeout, count=1)
+
+
+def unless_client_leaves(client_gone: Callable[[], bool] | None, fn: Callable[..., T],
+                         *args: Any) -> T:
+    """``fn(*args)``, run as a leg of its own while the request watches its client.
+
+    Its value, or the error it failed with; if the client hangs up first, the leg is killed
+    (every upstream connection it holds closes, so the instances see the abort) and
+    ``ClientDisconnected`` is raised. Without a way to watch the client, ``fn`` simply runs.
+    """
+    if client_gone is None:
+        return fn(*args)
+    call: Call[T] = Call("request", fn, *args)
+    try:
+        while not call.join(CLIENT_CHECK_INTERVAL):
+            if client_gone():
+                raise ClientDisconnected("client closed the connection before its answer "
+                                         "started; every upstream leg was closed")
+    finally:
+        call.stop()
+    if call.error is not None:
+        raise call.error
+    return call.value  # type: ignore[return-value]
+
+
+def client_watch(environ: dict[str, Any]) -> Callable[[], bool] | None:
+    """Whether the client of this WSGI request hung up, when its server says where the
+    connection is (gunicorn's workers do); None otherwise."""
+    sock = next((environ[key] for key in SOCKET_KEYS if key in environ), None)
+    if sock is None:
+        return None
+    return lambda: peer_closed(sock)
 
 
 def peer_closed(sock: Any) -> bool:

@@ -1,9 +1,12 @@
 """One request's journey: route, prefill, open decode, hand the answer to the relay.
 
 Everything that can fail before the client sees a status line happens here, so it can still be
-retried (docs/behaviour.md#failover) or turned into a proper error response. Nothing here
-knows about Flask. The connector shapes the legs and says how they run: prefill drained before
-decode opens (``_sequential_legs``), or both at once (``_concurrent_legs``, Mooncake).
+retried (docs/behaviour.md#failover) or turned into a proper error response; all of it runs
+while the client is watched (``legs.unless_client_leaves``), so a client that leaves ends every
+leg at once. Nothing here knows about Flask. The connector shapes the legs and says how they
+run: prefill drained before decode opens (``_sequential_legs``), or both at once
+(``_concurrent_legs``, Mooncake). Decode's answer is opened up to its first body bytes (a
+non-stream one read whole) before the client gets a status line.
 """
 
 from __future__ import annotations
@@ -25,9 +28,7 @@ from epd_flask.core.errors import (
     BackendError,
     BackendStatus,
     BackendUnavailable,
-    ClientDisconnected,
     ProxyError,
-    StreamInterrupted,
     instance_label,
 )
 from epd_flask.core.headers import REQUEST_ID_HEADER, client_headers
@@ -60,8 +61,6 @@ def upstream_path(path: str) -> str:
 #: Connectors whose decode computes a prompt it got no KV for: short prompts may skip prefill.
 DIRECT_DECODE_CONNECTORS = ("nixl", "none")
 STREAM_HEADERS = (("Cache-Control", "no-cache"), ("X-Accel-Buffering", "no"))
-#: How often a request waiting on concurrent legs asks whether its client is still there.
-CLIENT_CHECK_INTERVAL = 0.1
 
 
 @dataclass
@@ -69,6 +68,17 @@ class Reply:
     status: int
     headers: list[tuple[str, str]]
     body: Iterable[bytes] | bytes
+
+
+@dataclass
+class Opened:
+    """Decode's answer as far as it was read before replying: the rest of a stream to relay
+    (``chunks``; None: not started), or a whole body (``data``)."""
+
+    resp: Upstream
+    stream: bool
+    chunks: Iterator[bytes] | None = None
+    data: bytes | None = None
 
 
 class Pipeline:
@@ -108,15 +118,20 @@ class Pipeline:
         # Every stage is picked among instances serving the model (docs/behaviour.md#models);
         # the body goes upstream as the client wrote it, model absent or not.
         ctx.model = self.catalog.resolve(body.get("model"))
+        return legs.unless_client_leaves(ctx.client_gone, self._attempts, path, body, ctx)
+
+    def _attempts(self, path: str, body: dict[str, Any], ctx: RequestContext) -> Reply:
+        """The request's attempts, in the greenlet the client watch runs: the routing context
+        (a context variable, which a new greenlet does not inherit) is set here."""
         attempts = self.roster.settings.decode_retries + 1
         ctx.on_leg = self.registry.track
         affinity = request_affinity(body)
         affinity.decisions = ctx.routing
         with routing.serving(affinity):
-            return self._attempts(path, body, ctx, attempts)
+            return self._retried(path, body, ctx, attempts)
 
-    def _attempts(self, path: str, body: dict[str, Any], ctx: RequestContext,
-                  attempts: int) -> Reply:
+    def _retried(self, path: str, body: dict[str, Any], ctx: RequestContext,
+                 attempts: int) -> Reply:
         for attempt in range(attempts):
             try:
                 return self._attempt(path, body, ctx)
@@ -138,6 +153,12 @@ class Pipeline:
                     model: str | None = None) -> Reply:
         """Any other route goes to a decode-side instance unchanged (docs/behaviour.md#edge),
         one serving the body's ``model`` when a live one does (docs/behaviour.md#models)."""
+        return legs.unless_client_leaves(ctx.client_gone, self._passthrough, method, path,
+                                         query, body, content_type, ctx, model)
+
+    def _passthrough(self, method: str, path: str, query: str, body: bytes | None,
+                     content_type: str | None, ctx: RequestContext,
+                     model: str | None) -> Reply:
         if model is not None and not self.registry.live(self.decode_role, model):
             model = None  # nobody live serves it: the instance answers as vLLM would
         ctx.on_leg = self.registry.track
@@ -147,11 +168,14 @@ class Pipeline:
         if content_type:
             headers["Content-Type"] = content_type
         url = target.url + upstream_path(path) + (f"?{query}" if query else "")
-        resp = self._send(target, "decode", method, url, ctx, headers=headers, body=body,
-                          **self._decode_timeouts(stream=True))
-        if 300 <= resp.status_code < 400:
-            self._check(resp, target, "decode", ctx)
-        return self._reply(resp, ctx, stream=True)
+        with ctx.leg("decode", target.role, target.url) as call:
+            resp = self._send(target, "decode", method, url, headers=headers, body=body,
+                              **self._decode_timeouts(stream=True))
+            call.status = resp.status_code
+            if 300 <= resp.status_code < 400:
+                self.transport.raise_for_status(resp, "decode")
+            call.hold()  # relayed as it arrives: the relay's end closes it
+        return self._reply(Opened(resp, stream=True), ctx)
 
     def _attempt(self, path: str, body: dict[str, Any], ctx: RequestContext) -> Reply:
         # Every attempt encodes again from the client's body (docs/behaviour.md#failover): the
@@ -160,8 +184,9 @@ class Pipeline:
         if self.roster.combined:
             target = self.router.pick("prefill_decode", frozenset(ctx.failed), ctx.model)
             staged = self.encode.run(body, ctx, target, self.roster.settings)
-            return self._open_decode(target, path, LegRequest(staged.body, staged.consumer_headers),
-                                     ctx)
+            opened = self._open_decode(
+                target, path, LegRequest(staged.body, staged.consumer_headers), ctx)
+            return self._reply(opened, ctx)
         # Decode is chosen first: with no decode alive, prefill work would be wasted.
         decode = self.router.pick("decode", frozenset(ctx.failed), ctx.model)
         if self._skips_prefill():
@@ -188,7 +213,9 @@ class Pipeline:
         route = Route(Placement(decode), decode, ctx.attempt_id, ctx.retries)
         ctx.routing.append("prefill:skipped(short)")
         events.routed.fire("prefill", "disaggregate", "skipped", decode.url)
-        return self._open_decode(decode, path, self.connector.decode_leg(body, route, None), ctx)
+        opened = self._open_decode(decode, path, self.connector.decode_leg(body, route, None),
+                                   ctx)
+        return self._reply(opened, ctx)
 
     # -- prefill, then decode (nixl, none, p2p_nccl) ----------------------------------------
 
@@ -209,7 +236,8 @@ class Pipeline:
             raise BackendError(f"prefill instance {instance_label(url)} answered an unusable "
                                f"reply: {exc}", code="bad_prefill_answer", stage="prefill",
                                instance=url) from None
-        return self._open_decode(route.decode, path, leg, ctx, cached_tokens=cached_tokens)
+        opened = self._open_decode(route.decode, path, leg, ctx)
+        return self._reply(opened, ctx, cached_tokens=cached_tokens)
 
     def _recompute_instead(self, err: BackendError, route: Route, ctx: RequestContext) -> bool:
         """Whether a failed prefill leg may be replaced by decode recomputing the prompt.
@@ -231,19 +259,16 @@ class Pipeline:
         ctx.instances["prefill"] = target.url
         started = time.monotonic()
         try:
-            resp = self._post(target, "prefill", path, leg, ctx,
-                              self.roster.settings.prefill_timeout)
-            self._check(resp, target, "prefill", ctx)
-            try:
+            with ctx.leg("prefill", target.role, target.url) as call:
+                resp = self._post(target, "prefill", path, leg, ctx,
+                                  self.roster.settings.prefill_timeout)
+                call.status = resp.status_code
+                self.transport.raise_for_status(resp, "prefill")
                 raw = self.transport.read_body(resp, "prefill",
                                                max_bytes=self.transport.max_answer_bytes)
-            except ProxyError as err:
-                ctx.leg_close("prefill", target.url, error=err)
-                raise
         except ProxyError:
             self.counters["prefill_failures"] += 1
             raise
-        ctx.leg_close("prefill", target.url, status=resp.status_code)
         ctx.mark("prefill", started)
         try:
             answer = jsoncodec.loads(raw)
@@ -259,24 +284,21 @@ class Pipeline:
         """Both legs start now; the request waits for decode's first byte.
 
         Until that byte, a failed prefill closes decode (it would wait for KV that never
-        comes), a failed decode closes prefill, and a client that hangs up closes both. After
-        it, decode evidently has its KV: prefill is drained beside the relay, its failure only
-        logged and counted, and the relay ends it with the stream.
+        comes) and a failed decode closes prefill. After it, decode evidently has its KV:
+        prefill is drained beside the relay, its failure only logged and counted, and the
+        relay ends it with the stream.
         """
         prefill: Call[Any] = Call("prefill", self._drain_prefill, route, path,
                                   self.connector.prefill_leg(body, route), ctx)
-        opening: Call[Any] | None = None
+        opening: Call[Opened] | None = None
         try:
             leg = self.connector.decode_leg(body, route, None)
-            opening = Call("decode", self._open_first_byte, route.decode, path, leg, ctx)
+            opening = Call("decode", self._open_decode, route.decode, path, leg, ctx)
             while not opening.done:
-                legs.wait_any([opening] if prefill.done else [opening, prefill],
-                              CLIENT_CHECK_INTERVAL)
+                legs.wait_any([opening] if prefill.done else [opening, prefill])
                 if prefill.failed and not opening.done:
                     assert prefill.error is not None
                     raise prefill.error
-                if not opening.done and ctx.client_gone():
-                    raise ClientDisconnected("the client went away before decode answered")
             if opening.error is not None:
                 raise opening.error
         except BaseException:
@@ -284,9 +306,8 @@ class Pipeline:
                 opening.stop()
             prefill.stop()
             raise
-        resp, chunks = opening.value
-        return self._reply(resp, ctx, stream=fields.streams(leg.body), chunks=chunks,
-                           side=prefill)
+        assert opening.value is not None
+        return self._reply(opening.value, ctx, side=prefill)
 
     def _drain_prefill(self, route: Route, path: str, leg: LegRequest, ctx: RequestContext) -> None:
         try:
@@ -296,75 +317,56 @@ class Pipeline:
                            route.prefill.instance.url, route.prefill.dp_rank, err)
             raise
 
-    def _open_first_byte(self, target: Instance, path: str, leg: LegRequest,
-                         ctx: RequestContext) -> tuple[Upstream, Iterator[bytes]]:
-        """Open decode and read its first body bytes: in Mooncake they prove the KV arrived."""
-        ctx.instances["decode"] = target.url
-        started = time.monotonic()
-        resp = self._post(target, "decode", path, leg, ctx,
-                          **self._decode_timeouts(fields.streams(leg.body)))
-        try:
-            self._check(resp, target, "decode", ctx)
-            self._check_kind(resp, target, ctx, fields.streams(leg.body))
-            chunks = self.transport.iter_raw(resp, "decode")
-            first = next(chunks, b"")
-        except StreamInterrupted as err:
-            resp.close()
-            ctx.leg_close("decode", target.url, error=err)
-            err.retryable = True  # cut before its first byte: nothing reached the client yet
-            raise
-        except BaseException:
-            resp.close()
-            ctx.leg_close("decode", target.url)  # already closed if its status failed
-            raise
-        ctx.mark("decode_first_byte", started)
-        return resp, itertools.chain((first,), chunks) if first else chunks
-
     # -- decode's answer to the client ------------------------------------------------------
 
-    def _open_decode(self, target: Instance, path: str, leg: LegRequest, ctx: RequestContext,
-                     cached_tokens: int = 0) -> Reply:
+    def _open_decode(self, target: Instance, path: str, leg: LegRequest,
+                     ctx: RequestContext) -> Opened:
+        """Open decode and read its first body bytes (in Mooncake they prove the KV arrived);
+        a non-stream answer is read whole. Until then the request may still be retried, and
+        the client watch covers the wait."""
         ctx.instances["decode"] = target.url
         started = time.monotonic()
         stream = fields.streams(leg.body)
-        resp = self._post(target, "decode", path, leg, ctx, **self._decode_timeouts(stream))
-        self._check(resp, target, "decode", ctx)
-        self._check_kind(resp, target, ctx, stream)
-        ctx.mark("decode_first_byte", started)
-        return self._reply(resp, ctx, stream=stream, cached_tokens=cached_tokens)
+        with ctx.leg("decode", target.role, target.url) as call:
+            resp = self._post(target, "decode", path, leg, ctx, **self._decode_timeouts(stream))
+            call.status = resp.status_code
+            try:
+                self.transport.raise_for_status(resp, "decode")
+                self._check_kind(resp, target, stream)
+                chunks = self.transport.iter_raw(resp, "decode")
+                first = next(chunks, b"")
+                ctx.mark("decode_first_byte", started)
+                if not stream:
+                    data = first + b"".join(chunks)
+            except BaseException:
+                resp.close()
+                raise
+            if not stream:
+                resp.close()
+                return Opened(resp, stream, data=data)
+            call.hold()  # relayed as it arrives: the relay's end closes it
+        return Opened(resp, stream, chunks=itertools.chain((first,), chunks) if first
+                      else chunks)
 
-    def _reply(self, resp: Upstream, ctx: RequestContext, stream: bool, *,
-               cached_tokens: int = 0, chunks: Iterator[bytes] | None = None,
+    def _reply(self, opened: Opened, ctx: RequestContext, *, cached_tokens: int = 0,
                side: Call[Any] | None = None) -> Reply:
-        """The client's reply from decode's response; ``chunks`` continues a body already
-        started, ``side`` is a leg that must end with it, ``cached_tokens`` goes into usage."""
+        """The client's reply from decode's answer; ``side`` is a leg that must end with it,
+        ``cached_tokens`` goes into usage."""
+        resp = opened.resp
         ctx.status = resp.status_code
         headers = client_headers(resp.headers.items())
         headers.append((REQUEST_ID_HEADER, ctx.request_id))
-        content_type = resp.headers.get("Content-Type", "")
-        if content_type.startswith("text/event-stream"):
+        if resp.headers.get("Content-Type", "").startswith("text/event-stream"):
             headers.extend(STREAM_HEADERS)
             rewrite = partial(usage.rewrite_events, cached=cached_tokens) \
                 if cached_tokens and resp.status_code == 200 else None
             return Reply(resp.status_code, headers, relay.sse(
-                self.transport, resp, ctx, chunks=chunks, rewrite=rewrite, side=side,
+                self.transport, resp, ctx, chunks=opened.chunks, rewrite=rewrite, side=side,
                 max_event=self.max_event_bytes))
-        if stream:
-            return Reply(resp.status_code, headers,
-                         relay.raw(self.transport, resp, ctx, chunks=chunks, side=side))
-        try:
-            if chunks is None:
-                data = self.transport.read_body(resp, "decode")
-            else:
-                try:
-                    data = b"".join(chunks)
-                finally:
-                    resp.close()
-        except BackendError as err:
-            ctx.leg_close("decode", ctx.instances.get("decode", ""), error=err)
-            err.retryable = True  # nothing reached the client yet, so another try is safe
-            relay.end_side_leg(side, completed=False)
-            raise
+        if opened.stream:
+            return Reply(resp.status_code, headers, relay.raw(
+                self.transport, resp, ctx, chunks=opened.chunks, side=side))
+        data = opened.data or b""
         relay.end_side_leg(side, completed=True)
         if cached_tokens and resp.status_code == 200:
             data = usage.rewrite_body(data, cached_tokens)
@@ -388,29 +390,26 @@ class Pipeline:
         headers[REQUEST_ID_HEADER] = ctx.attempt_id
         headers.update(leg.headers)
         headers["Content-Type"] = "application/json"
-        return self._send(target, stage, "POST", target.url + path, ctx, headers=headers,
+        return self._send(target, stage, "POST", target.url + path, headers=headers,
                           body=encode_json(leg.body), read_timeout=read_timeout,
                           chunk_timeout=chunk_timeout, total_timeout=total_timeout)
 
-    def _send(self, target: Instance, stage: str, method: str, url: str,
-              ctx: RequestContext, *, headers: dict[str, str], body: bytes | None,
-              read_timeout: float | None, chunk_timeout: float | None = None,
+    def _send(self, target: Instance, stage: str, method: str, url: str, *,
+              headers: dict[str, str], body: bytes | None, read_timeout: float | None,
+              chunk_timeout: float | None = None,
               total_timeout: float | None = None) -> Upstream:
-        ctx.leg_open(stage, target.role, target.url)
+        """One upstream call; the caller's ``ctx.leg`` block books it."""
         try:
             return self.transport.send(method, url, stage=stage, headers=headers, body=body,
                                        read_timeout=read_timeout, chunk_timeout=chunk_timeout,
                                        total_timeout=total_timeout)
-        except ProxyError as err:
-            ctx.leg_close(stage, target.url, error=err)
-            if isinstance(err, BackendUnavailable):
-                # Passive signal: a refused connection counts like a failed probe.
-                self.registry.record_failure(target.url, str(err))
-                ctx.failed.add(target.url)
+        except BackendUnavailable as err:
+            # Passive signal: a refused connection counts like a failed probe.
+            self.registry.record_failure(target.url, str(err))
             raise
 
-    def _check_kind(self, resp: Upstream, target: Instance, ctx: RequestContext,
-                    stream: bool) -> None:
+    @staticmethod
+    def _check_kind(resp: Upstream, target: Instance, stream: bool) -> None:
         """A completion's answer is an event stream when one was asked for and JSON
         otherwise; anything else (an HTML page from something in front of decode, a wrong
         route) would reach the client as if it were the completion."""
@@ -418,20 +417,7 @@ class Pipeline:
         expected = "text/event-stream" if stream else "application/json"
         if content_type.split(";", 1)[0].strip().lower() == expected:
             return
-        resp.close()
-        err = BackendError(
+        raise BackendError(
             f"decode instance {instance_label(target.url)} answered {resp.status_code} with "
             f"Content-Type {content_type[:80] or '(none)'!r}, not {expected}",
             code="upstream_bad_answer", stage="decode", instance=target.url)
-        ctx.leg_close("decode", target.url, error=err)
-        raise err
-
-    def _check(self, resp: Upstream, target: Instance, stage: str,
-               ctx: RequestContext) -> None:
-        try:
-            self.transport.raise_for_status(resp, stage)
-        except ProxyError as err:
-            ctx.leg_close(stage, target.url, error=err)
-            if err.retryable:
-                ctx.failed.add(target.url)
-            raise

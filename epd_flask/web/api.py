@@ -20,7 +20,7 @@ from epd_flask.core.headers import (
     upstream_headers,
 )
 from epd_flask.serving.context import RequestContext
-from epd_flask.serving.legs import peer_closed
+from epd_flask.serving.legs import client_watch
 from epd_flask.serving.pipeline import Reply
 from epd_flask.web import edge, validation
 from epd_flask.web.services import services
@@ -44,9 +44,7 @@ def _context() -> RequestContext:
         # either stays at the edge.
         headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
     ctx = RequestContext(rid, request.path, headers, upstream_id=uid)
-    sock = request.environ.get("gunicorn.socket")
-    if sock is not None:
-        ctx.client_gone = lambda: peer_closed(sock)
+    ctx.client_gone = client_watch(request.environ)
     return ctx
 
 

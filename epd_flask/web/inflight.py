@@ -25,15 +25,13 @@ from werkzeug.wsgi import ClosingIterator
 from epd_flask.core import errors, events
 from epd_flask.core.errors import Overloaded, ProxyError
 from epd_flask.core.headers import REQUEST_ID_HEADER, request_id
+from epd_flask.serving.legs import SOCKET_KEYS
 
 logger = logging.getLogger(__name__)
 
 #: Routes that answer about the worker itself: cheap, and needed most when it is busy.
 EXEMPT_PATHS = frozenset({"/health", "/healthz", "/ready", "/readyz", "/metrics", "/status",
                           "/debug/worker"})
-#: Where gunicorn's workers put the client connection in the WSGI environ (``-k gevent``, and
-#: the pywsgi-based worker).
-SOCKET_KEYS = ("gunicorn.socket", "gunicorn.sock")
 
 StartResponse = Callable[..., Any]
 

@@ -80,6 +80,31 @@ def test_client_disconnect_reaches_decode_through_gunicorn(procs) -> None:
     assert stats["streams_completed"] == 0
 
 
+@pytest.mark.parametrize("worker", ["gevent", "gunicorn.workers.ggevent.GeventPyWSGIWorker"])
+def test_client_leaving_a_non_stream_request_aborts_decode_through_gunicorn(
+        procs, worker: str) -> None:
+    """Before any byte of the answer: gunicorn's workers give the proxy the client's socket,
+    which it watches while decode computes."""
+    p = procs["sim"]("prefill")
+    d = procs["sim"]("decode", "--ttft-ms", "5000")
+    gw = procs["gunicorn"](roster(p, d), "-k", worker)
+    client = RawStream(gw.url, "/v1/chat/completions", {**CHAT, "max_tokens": 8})
+    deadline = time.monotonic() + 5
+    while d.stats()["in_flight"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.3)
+    left_at = time.time()
+    client.hang_up()
+    deadline = time.monotonic() + 5
+    while d.stats()["requests_aborted"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    stats = d.stats()
+    assert stats["requests_aborted"] == 1
+    print(f"\n{worker}: decode saw the abort {(stats['last_abort_at'] - left_at) * 1000:.0f} "
+          "ms after the client left")
+    assert stats["last_abort_at"] - left_at < 1.0
+
+
 def test_decode_failures_through_gunicorn(procs) -> None:
     p = procs["sim"]("prefill")
     d = procs["sim"]("decode", "--output-tokens", "30")
