@@ -7,8 +7,7 @@ from __future__ import annotations
 import gevent
 import pytest
 
-from epd_flask.core import errors
-from epd_flask.core.events import Observer, bus
+from epd_flask.core import errors, events
 from epd_flask.serving.context import RequestContext
 
 
@@ -39,26 +38,26 @@ def test_one_rule_says_what_may_run_again(err: errors.ProxyError, retryable: boo
         assert errors.worth_another_instance(err)
 
 
-class Recorder(Observer):
-    def __init__(self) -> None:
-        self.events: list[tuple[str, ...]] = []
-
-    def upstream_opened(self, role: str, url: str) -> None:
-        self.events.append(("opened", url))
-
-    def upstream_closed(self, role: str, url: str) -> None:
-        self.events.append(("closed", url))
-
-    def upstream_error(self, stage: str, url: str, kind: str) -> None:
-        self.events.append(("error", url, kind))
-
-
 @pytest.fixture
 def seen():
-    recorder = Recorder()
-    bus.subscribe(recorder)
-    yield recorder.events
-    bus.unsubscribe(recorder)
+    log: list[tuple[str, ...]] = []
+
+    def opened(role: str, url: str) -> None:
+        log.append(("opened", url))
+
+    def closed(role: str, url: str) -> None:
+        log.append(("closed", url))
+
+    def error(stage: str, url: str, kind: str) -> None:
+        log.append(("error", url, kind))
+
+    hooks = ((events.upstream_opened, opened), (events.upstream_closed, closed),
+             (events.upstream_error, error))
+    for hook, listener in hooks:
+        hook.add_listener(listener)
+    yield log
+    for hook, listener in hooks:
+        hook.remove_listener(listener)
 
 
 def test_a_leg_block_closes_its_leg_however_it_ends(seen) -> None:
