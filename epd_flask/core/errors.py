@@ -244,7 +244,8 @@ def instance_label(url: str | None) -> str:
 
 
 #: Stages whose failure ends the request: a failed encoder call already went once to another
-#: encoder (see ``fanout``), and the request as a whole does not run again (M4).
+#: encoder (see ``fanout``), and the request as a whole does not run again
+#: (docs/behaviour.md#encoders-and-rewriting).
 FINAL_STAGES = frozenset({"encode"})
 
 
