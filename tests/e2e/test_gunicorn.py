@@ -80,14 +80,15 @@ def test_client_disconnect_reaches_decode_through_gunicorn(procs) -> None:
     assert stats["streams_completed"] == 0
 
 
-@pytest.mark.parametrize("worker", ["gevent", "gunicorn.workers.ggevent.GeventPyWSGIWorker"])
+@pytest.mark.parametrize("worker", [None, "gevent", "gunicorn.workers.ggevent.GeventPyWSGIWorker"])
 def test_client_leaving_a_non_stream_request_aborts_decode_through_gunicorn(
-        procs, worker: str) -> None:
-    """Before any byte of the answer: gunicorn's workers give the proxy the client's socket,
-    which it watches while decode computes."""
+        procs, worker: str | None) -> None:
+    """Before any byte of the answer: gunicorn's workers (ours by default, the stock gevent
+    one, the pywsgi one) give the proxy the client's socket, which it watches while decode
+    computes."""
     p = procs["sim"]("prefill")
     d = procs["sim"]("decode", "--ttft-ms", "5000")
-    gw = procs["gunicorn"](roster(p, d), "-k", worker)
+    gw = procs["gunicorn"](roster(p, d), *(("-k", worker) if worker else ()))
     client = RawStream(gw.url, "/v1/chat/completions", {**CHAT, "max_tokens": 8})
     deadline = time.monotonic() + 5
     while d.stats()["in_flight"] == 0 and time.monotonic() < deadline:
