@@ -115,14 +115,18 @@ def estimate_tokens(body: dict[str, Any]) -> int:
     return len(text.encode("utf-8", "surrogatepass")) // BYTES_PER_TOKEN
 
 
-def request_affinity(body: dict[str, Any]) -> Affinity:
-    """The keys and estimate for one completion body (already validated)."""
+def request_affinity(body: dict[str, Any], session: str | None = None) -> Affinity:
+    """The keys and estimate for one completion body (already validated); ``session``, the
+    value of the roster's ``session_header``, keys session affinity before ``user`` does."""
     messages = body.get("messages")
     anchor = chat_anchor(messages) if isinstance(messages, list) \
         else completion_anchor(body.get("prompt"))
     shared = chat_shared(messages) if isinstance(messages, list) else ""
     user = body.get("user")
-    session = _hash("user\x1e" + user) if isinstance(user, str) and user else None
+    if session:
+        session_key: bytes | None = _hash("header\x1e" + session)
+    else:
+        session_key = _hash("user\x1e" + user) if isinstance(user, str) and user else None
     return Affinity(prefix=_hash(anchor) if anchor else None,
-                    shared=_hash(shared) if shared else None, session=session,
+                    shared=_hash(shared) if shared else None, session=session_key,
                     prompt_tokens=estimate_tokens(body))

@@ -93,6 +93,8 @@ class RequestContext:
     # Asks the server whether the client already hung up (when it can tell: gunicorn's
     # workers can); without one, a departure is noticed at the first write.
     client_gone: Callable[[], bool] | None = field(default=None, repr=False)
+    # The session the client named in the roster's ``session_header``, if any.
+    session: str | None = None
     # One ``role:policy(why)`` per routing decision (docs/behaviour.md#routing-policies).
     routing: list[str] = field(default_factory=list)
     # Told of every upstream call opened (+1) and closed (-1): the load routing reads.

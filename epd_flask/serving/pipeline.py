@@ -125,7 +125,7 @@ class Pipeline:
         (a context variable, which a new greenlet does not inherit) is set here."""
         attempts = self.roster.settings.decode_retries + 1
         ctx.on_leg = self.registry.track
-        affinity = request_affinity(body)
+        affinity = request_affinity(body, ctx.session)
         affinity.decisions = ctx.routing
         with routing.serving(affinity):
             return self._retried(path, body, ctx, attempts)

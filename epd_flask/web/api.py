@@ -45,6 +45,9 @@ def _context() -> RequestContext:
         headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
     ctx = RequestContext(rid, request.path, headers, upstream_id=uid)
     ctx.client_gone = client_watch(request.environ)
+    session_header = svc.roster.settings.session_header
+    if session_header:
+        ctx.session = request.headers.get(session_header) or None
     return ctx
 
 

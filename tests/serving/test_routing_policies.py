@@ -55,6 +55,19 @@ def test_session_keeps_a_user_on_one_decode(sim, proxy) -> None:
     assert sorted(d.state.stats()["completions"] for d in ds) == [0, 0, 4]
 
 
+def test_session_header_keys_session_affinity_before_user(sim, proxy) -> None:
+    ds = [sim("decode") for _ in range(4)]
+    px = proxy(pd_roster([sim("prefill")], ds, routing={"decode": "session"},
+                         session_header="X-Session-Id"))
+    for i in range(6):  # a different user each time, one session header
+        r = requests.post(px.url + "/v1/chat/completions", timeout=10, headers={
+            "X-Session-Id": "s-42"}, json={"model": "tiny-llama", "max_tokens": 2,
+                                           "user": f"u{i}", "messages": [
+                                               {"role": "user", "content": f"q{i}"}]})
+        assert r.status_code == 200
+    assert sorted(d.state.stats()["completions"] for d in ds) == [0, 0, 0, 6]
+
+
 def test_short_prompts_skip_prefill_and_long_ones_do_not(sim, proxy, caplog) -> None:
     p, d = sim("prefill", max_model_len=4096), sim("decode", max_model_len=4096)
     px = proxy(pd_roster([p], [d], disaggregate_min_prompt_tokens=64))
