@@ -11,8 +11,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -25,7 +27,6 @@ from typing import Any
 import requests
 import yaml
 
-from tests.helpers import free_port
 from tests.vllm.reap import group_alive
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -181,10 +182,29 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
+#: Ports handed to vLLM servers come from below Linux's ephemeral range (32768-60999). A port
+#: the kernel gave for bind(0) goes back to that pool at once, and with four servers booting
+#: (each opening its own ZMQ and gloo sockets) another socket took one before its server bound
+#: it ("Address already in use" on a NIXL side channel).
+_PORTS = iter(random.Random().sample(range(20000, 32000), 4000))
+
+
+def vllm_port() -> int:
+    """A free loopback port no earlier call of this process handed out."""
+    for port in _PORTS:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port left below the ephemeral range")
+
+
 def start_vllm(name: str, role: str, core: int, model: str = "tiny-llama",
                args: tuple[str, ...] = (), env: dict[str, str] | None = None,
                served_name: str = MODEL_NAME, **ports: int) -> VllmServer:
-    port = free_port()
+    port = vllm_port()
     argv = [*NICE, str(VENV / "bin" / "vllm"), "serve", str(MODELS / model),
             "--host", "127.0.0.1", "--port", str(port), "--served-model-name", served_name,
             *COMMON_ARGS, *args]
@@ -209,7 +229,7 @@ def ec_config(role: str, store: Path) -> str:
 def _nixl() -> list[VllmServer]:
     servers = []
     for name, role, core in (("prefill", "kv_producer", 0), ("decode", "kv_consumer", 1)):
-        side = free_port()
+        side = vllm_port()
         servers.append(start_vllm(
             f"nixl-{name}", name, core, args=("--kv-transfer-config", kv_config(
                 "NixlConnector", role)),
@@ -221,7 +241,7 @@ def _mooncake() -> list[VllmServer]:
     servers = []
     extra = {"mooncake_protocol": "tcp"}
     for name, role, core in (("prefill", "kv_producer", 0), ("decode", "kv_consumer", 1)):
-        boot = free_port()
+        boot = vllm_port()
         servers.append(start_vllm(
             f"mooncake-{name}", name, core, args=("--kv-transfer-config", kv_config(
                 "MooncakeConnector", role, extra)),
@@ -268,7 +288,7 @@ def _models() -> list[VllmServer]:
     servers = []
     for pair, model, extra in (("a", "tiny-llama", LORA_ARGS), ("b", SECOND_MODEL, ())):
         for name, role, core in (("prefill", "kv_producer", 0), ("decode", "kv_consumer", 1)):
-            side = free_port()
+            side = vllm_port()
             servers.append(start_vllm(
                 f"models-{pair}-{name}", name, core, model=model, served_name=model,
                 args=("--kv-transfer-config", kv_config("NixlConnector", role), *extra),
@@ -333,7 +353,7 @@ class Fleet:
     def proxy(self, roster: dict[str, Any], workers: int = 1) -> Process:
         """epd-flask under gunicorn (gevent workers, the project's config) over ``roster``."""
         assert self.current is not None
-        port = free_port()
+        port = vllm_port()
         name = f"gunicorn-{self.current.name}-{len(self.current.proxies)}"
         roster_file = LOG_DIR / f"{name}.roster.yaml"
         LOG_DIR.mkdir(parents=True, exist_ok=True)
