@@ -13,10 +13,14 @@ TOKEN_DELAY_MS ?= 30
 EPD_ROSTER ?= etc/roster.yaml
 EPD_PIDFILE ?= $(VENV)/gunicorn.pid
 PYTEST_ARGS ?=
-# The benchmark's peer (vllm-router) lives in its own virtualenv outside the source tree: it is
-# never a dependency of epd-flask.
+# The benchmark's peers (vllm-router; vLLM's EPD proxy and the libraries it runs on) live in
+# their own virtualenv outside the source tree: never a dependency of epd-flask, never shipped.
 BENCH_VENV ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/epd-flask/bench-venv
 VLLM_ROUTER_VERSION ?= 0.1.17
+EPD_PROXY_PEER_LIBS ?= fastapi==0.165.0 uvicorn==0.54.0 aiohttp==3.14.5 uvloop==0.23.0
+# vLLM's examples/online_serving/disaggregated_encoder/disagg_epd_proxy.py (Apache-2.0), copied
+# here by hand (docs/benchmarks.md says from which commit); without it the bench skips that peer.
+EPD_PROXY_COPY ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/epd-flask/peers/disagg_epd_proxy.py
 BENCH_ARGS ?=
 # The real-vLLM tier keeps its ~4 GB venv, tiny models, logs and pid files out of the tree.
 VLLM_HOME ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/epd-flask/vllm
@@ -75,12 +79,14 @@ lint: $(STAMP)
 $(BENCH_VENV)/.installed:
 	$(PYTHON) -m venv $(BENCH_VENV)
 	$(BENCH_VENV)/bin/pip install --quiet --disable-pip-version-check \
-	    vllm-router==$(VLLM_ROUTER_VERSION)
+	    vllm-router==$(VLLM_ROUTER_VERSION) $(EPD_PROXY_PEER_LIBS) py-spy
 	touch $@
 
-## bench: epd-flask vs direct-to-decode vs vllm-router on loopback; writes docs/benchmarks.md
+## bench: epd-flask vs direct-to-decode vs vllm-router vs vLLM's EPD proxy on loopback; writes
+## docs/benchmarks.md
 bench: $(STAMP) $(BENCH_VENV)/.installed
-	$(BIN)/python tests/bench/run.py --router $(BENCH_VENV)/bin/vllm-router $(BENCH_ARGS)
+	$(BIN)/python tests/bench/run.py --router $(BENCH_VENV)/bin/vllm-router \
+	    --epd-proxy $(EPD_PROXY_COPY) --epd-proxy-python $(BENCH_VENV)/bin/python $(BENCH_ARGS)
 
 ## bench-fleet: routing policies on a simulated 4 prefill + 4 decode fleet with a cost model,
 ## epd-flask's policies vs vllm-router's; writes docs/benchmarks.md (a few minutes)

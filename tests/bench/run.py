@@ -1,11 +1,13 @@
-"""``make bench``: epd-flask next to a direct-to-decode baseline and vllm-router, same run.
+"""``make bench``: epd-flask next to a direct-to-decode baseline and two peers, same run.
 
 Starts simulated instances (zero latency unless a workload paces tokens), epd-flask under
-gunicorn with one gevent worker, and vllm-router in P/D mode, all on loopback as separate
-processes; runs each workload through the load generator (another process) against each
-target in turn, and measures the target's process tree through /proc. Bounded: every
-workload has a request count and a deadline. Writes the report into docs/benchmarks.md
-between markers, leaving the hand-written analysis around them alone.
+gunicorn with one gevent worker as shipped (log level info, metrics on, no access log),
+vllm-router in P/D mode and vLLM's EPD proxy (its example script, run from a copy outside the
+source tree), all on loopback as separate processes; runs each workload through the load
+generator (another process) against each target in turn, and measures the target's process
+tree through /proc. Bounded: every workload has a request count and a deadline. Writes the
+report into docs/benchmarks.md between markers, leaving the hand-written analysis around them
+alone.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ IMAGE_BASE64_BYTES = 4 * 1024 * 1024
 ENCODERS = 4
 SLOW_ENCODER_MS = 50
 FD_LIMIT = 8192
+EPD_PROXY = "vllm-epd-proxy"
 
 
 def free_port() -> int:
@@ -83,6 +86,9 @@ class Workload:
     # Record how long epd-flask's event loop was held (gunicorn_bench.conf.py's probe),
     # counting from this many seconds after the start (after the streams' own ramp).
     stall_probe: float | None = None
+    # Requests with media: vLLM's EPD proxy, as published, builds its encoder URL from the
+    # whole list of encoder URLs, so every multimodal request fails there; it sits these out.
+    media: bool = False
 
 
 @dataclass
@@ -170,7 +176,7 @@ def build_workloads(quick: bool, workdir: Path) -> list[Workload]:
         f"e{k}", f"{k} image(s) of 64 KB base64 per request, concurrency 4 ({stage})",
         {"token_delay": 0.0, "output_tokens": 16},
         [{"name": f"e{k}", "path": CHAT, "body_file": body_file(f"e{k}.json", k, 64 * 1024),
-          "concurrency": 4, "requests": n(200)}]) for k in (1, 2, 4, 8)]
+          "concurrency": 4, "requests": n(200)}], media=True) for k in (1, 2, 4, 8)]
     return [
         Workload("a1", "non-stream, 16 tokens, concurrency 1",
                  {"token_delay": 0.0, "output_tokens": 16},
@@ -195,24 +201,24 @@ def build_workloads(quick: bool, workdir: Path) -> list[Workload]:
                    "concurrency": 100, "requests": 100, "ramp": 0.5},
                   {"name": "d-big", "path": CHAT, "body_file": big,
                    "concurrency": 1, "requests": 5, "delay": 1.5}], repeats=1,
-                 stall_probe=1.4),
+                 stall_probe=1.4, media=True),
         Workload("d-alone", "the 4 MB request alone, one after the other (its own proxy CPU)",
                  {"token_delay": 0.0, "output_tokens": 16},
                  [{"name": "d-alone", "path": CHAT, "body_file": big,
-                   "concurrency": 1, "requests": n(20)}], repeats=1),
+                   "concurrency": 1, "requests": n(20)}], repeats=1, media=True),
         *items,
         Workload("e8-even", "8 images per request, concurrency 1, all 4 encoders at zero latency",
                  {"token_delay": 0.0, "output_tokens": 16},
                  [{"name": "e8-even", "path": CHAT,
                    "body_file": str(workdir / "e8.json"), "concurrency": 1,
-                   "requests": n(40)}]),
+                   "requests": n(40)}], media=True),
         Workload("e8-skew", "8 images per request, concurrency 1, one of the 4 encoders takes "
                  f"{SLOW_ENCODER_MS} ms, the others none: wall time should track the slowest",
                  {"token_delay": 0.0, "output_tokens": 16},
                  [{"name": "e8-skew", "path": CHAT,
                    "body_file": str(workdir / "e8.json"), "concurrency": 1,
                    "requests": n(40)}],
-                 encoders=[{"ttft": SLOW_ENCODER_MS / 1000}, {}, {}, {}]),
+                 encoders=[{"ttft": SLOW_ENCODER_MS / 1000}, {}, {}, {}], media=True),
     ]
 
 
@@ -309,11 +315,26 @@ def router_version(router: str) -> str:
     return "unknown"
 
 
+def peer_version(python: str) -> str:
+    """The libraries vLLM's EPD proxy runs on, as installed in the bench venv."""
+    code = ("import importlib.metadata as m; print(', '.join(f'{n} {m.version(n)}' for n in "
+            "('fastapi', 'uvicorn', 'aiohttp', 'uvloop')))")
+    try:
+        return subprocess.run([python, "-c", code], capture_output=True, text=True,
+                              timeout=30).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--router", default="", help="vllm-router executable (bench venv)")
+    p.add_argument("--epd-proxy", default="",
+                   help="vLLM's disagg_epd_proxy.py, copied outside the source tree")
+    p.add_argument("--epd-proxy-python", default="",
+                   help="a Python with fastapi, aiohttp, uvicorn and uvloop (the bench venv)")
     p.add_argument("--only", default="", help="comma-separated workloads (default: all)")
-    p.add_argument("--targets", default="direct,epd-flask,vllm-router")
+    p.add_argument("--targets", default=f"direct,epd-flask,vllm-router,{EPD_PROXY}")
     p.add_argument("--quick", action="store_true", help="fewer requests, for a smoke run")
     p.add_argument("--repeats", type=int, default=0, help="override every workload's repeats")
     p.add_argument("--json", default="", help="also write the raw results here")
@@ -332,6 +353,12 @@ def main(argv: list[str] | None = None) -> int:
         print("vllm-router not found (make bench installs it); running without it",
               file=sys.stderr)
         targets_wanted.remove("vllm-router")
+    if EPD_PROXY in targets_wanted and not (args.epd_proxy and Path(args.epd_proxy).exists()
+                                            and args.epd_proxy_python):
+        print(f"vLLM's EPD proxy not found at {args.epd_proxy or '(no --epd-proxy)'} "
+              "(docs/benchmarks.md says where it comes from); running without it",
+              file=sys.stderr)
+        targets_wanted.remove(EPD_PROXY)
 
     workdir = Path(tempfile.mkdtemp(prefix="epd-bench-"))
     fleet = Fleet(workdir)
@@ -359,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
             proc = fleet.spawn("epd-flask", [str(BIN / "gunicorn"), "-c", str(GUNICORN_CONF),
                                              "wsgi:app"], env={
                 "EPD_WORKERS": "1", "EPD_BIND": f"127.0.0.1:{port}", "EPD_ROSTER": str(roster),
-                "EPD_LOG_LEVEL": "warning", "EPD_BENCH_STALL_FLAG": str(stall_flag),
+                "EPD_BENCH_STALL_FLAG": str(stall_flag),
                 "EPD_BENCH_STALL_LOG": str(stall_log)})
             url = f"http://127.0.0.1:{port}"
             wait_up(url + "/ready", proc)
@@ -373,6 +400,17 @@ def main(argv: list[str] | None = None) -> int:
             url = f"http://127.0.0.1:{port}"
             wait_up(url + "/health", proc)
             targets.append(Target("vllm-router", url, [proc.pid]))
+        if EPD_PROXY in targets_wanted:
+            port = free_port()
+            peer = workdir / "disagg_epd_proxy.py"  # the run's own copy, deleted with workdir
+            shutil.copyfile(args.epd_proxy, peer)
+            proc = fleet.spawn(EPD_PROXY, [
+                args.epd_proxy_python, str(peer), "--host", "127.0.0.1", "--port", str(port),
+                "--encode-servers-urls", ",".join(url for url, _ in encoders),
+                "--prefill-servers-urls", prefill, "--decode-servers-urls", decode])
+            url = f"http://127.0.0.1:{port}"
+            wait_up(url + "/health", proc)
+            targets.append(Target(EPD_PROXY, url, [proc.pid]))
         workloads = build_workloads(args.quick, workdir)
         only = set(filter(None, args.only.split(",")))
         results: list[dict[str, Any]] = []
@@ -383,9 +421,12 @@ def main(argv: list[str] | None = None) -> int:
                 configure(url, wl.sim)
             for i, (url, _) in enumerate(encoders):
                 configure(url, {"ttft": 0.0, **(wl.encoders[i] if wl.encoders else {})})
-            runs: dict[str, list[dict[str, Any]]] = {t.name: [] for t in targets}
+            runs: dict[str, list[dict[str, Any]]] = {
+                t.name: [] for t in targets if not (wl.media and t.name == EPD_PROXY)}
             for rep in range(args.repeats or wl.repeats):
                 for target in targets:
+                    if wl.media and target.name == EPD_PROXY:
+                        continue
                     prof = (Path(args.profile) / f"{wl.name}-{rep + 1}.txt"
                             if args.profile and target.name == "epd-flask" else None)
                     probe = wl.stall_probe is not None and target.name == "epd-flask"
@@ -406,6 +447,8 @@ def main(argv: list[str] | None = None) -> int:
                 "finished": finished.isoformat(timespec="seconds"), "machine": info,
                 "load_after": os.getloadavg(),
                 "router_version": router_version(args.router) if args.router else None,
+                "epd_proxy": (peer_version(args.epd_proxy_python)
+                              if EPD_PROXY in targets_wanted else None),
                 "command": " ".join([Path(sys.executable).name, *sys.argv]).replace(
                     str(Path.home()), "~"),
                 "label": args.label}
