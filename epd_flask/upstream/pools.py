@@ -27,6 +27,7 @@ from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 
 from epd_flask.control import settings
 from epd_flask.core import cooperate
+from epd_flask.upstream.responsehead import LeanHTTPResponse
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +52,9 @@ class InterimError(Exception):
     ``HTTPException``, so urllib3 closes the connection and lets it through unwrapped."""
 
 
-class FinalResponse(http.client.HTTPResponse):
-    """http.client's response, reading past every interim answer (RFC 9110 section 15.2).
+class FinalResponse(LeanHTTPResponse):
+    """http.client's response, reading past every interim answer (RFC 9110 section 15.2), its
+    plain header lines read by ``responsehead``.
 
     http.client skips only ``100 Continue``: a ``103 Early Hints`` would become the answer, with
     an empty body, and the connection would go back to the pool with the real answer still
