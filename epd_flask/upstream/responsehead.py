@@ -20,6 +20,8 @@ from typing import Any, BinaryIO
 # A field name as the feed parser recognises one (printable ASCII but ':'), then the value
 # (leading blanks dropped, as compat32 does), then the line end.
 _PLAIN_FIELD = re.compile(rb"([\x21-\x39\x3b-\x7e]+):[\t ]*([\t\x20-\x7e]*)\r?\n")
+# The blank line (or the end of the stream) that ends the block; http.client keeps it.
+_END = (b"\r\n", b"\n", b"")
 
 
 def parse_headers(fp: BinaryIO) -> http.client.HTTPMessage:
@@ -27,6 +29,8 @@ def parse_headers(fp: BinaryIO) -> http.client.HTTPMessage:
     lines = http.client._read_headers(fp)  # type: ignore[attr-defined]
     fields = []
     for line in lines:
+        if line in _END:
+            break
         match = _PLAIN_FIELD.fullmatch(line)
         if match is None:
             return _stdlib_parse(lines)

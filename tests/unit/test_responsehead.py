@@ -82,3 +82,14 @@ def test_response_reads_as_http_clients(raw: bytes) -> None:
 def test_upstream_connections_use_it() -> None:
     for cls in (pools.ReplayingHTTPConnection, pools.ReplayingHTTPSConnection):
         assert issubclass(cls.response_class, responsehead.LeanHTTPResponse)
+
+
+def test_plain_blocks_skip_the_email_parser(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(lines: list[bytes]) -> None:
+        raise AssertionError(f"went through the email parser: {lines!r}")
+
+    monkeypatch.setattr(responsehead, "_stdlib_parse", refuse)
+    for block in BLOCKS[:5]:
+        raw = block + b"\r\n"
+        assert _state(responsehead.parse_headers(io.BytesIO(raw))) == _state(
+            http.client.parse_headers(io.BytesIO(raw)))
