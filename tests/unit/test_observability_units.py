@@ -158,3 +158,29 @@ def test_a_dead_workers_live_gauges_go_and_its_counters_stay(tmp_path: Path) -> 
     pid = int(next(tmp_path.glob("gauge_livesum_*.db")).stem.rsplit("_", 1)[1])
     metricsdir.mark_process_dead(pid, str(tmp_path))
     assert collected() == {"served_total": 3.0}
+
+
+def test_observer_counts_exactly_through_its_cached_children() -> None:
+    """The observer keeps each label set's child: every update still lands, on the series
+    ``labels()`` names, and the in-flight limit follows a changed cap."""
+    from epd_flask.observe import metrics
+
+    obs = metrics.MetricsObserver()
+    obs.known.update({"http://p:1", "http://d:1"})
+    route = "/v1/chat/completions"
+    before = metrics.REQUESTS.labels(route, "200")._value.get()
+    in_flight = metrics.IN_FLIGHT.labels("decode", "http://d:1")._value.get()
+    for _ in range(3):
+        obs.upstream_opened("decode", "http://d:1")
+        obs.upstream_closed("decode", "http://d:1")
+        obs.upstream_opened("decode", "http://d:1")
+        ctx = RequestContext("rid", route, {})
+        ctx.status, ctx.instances = 200, {"decode": "http://d:1"}
+        obs.request_finished(ctx)
+    assert metrics.REQUESTS.labels(route, "200")._value.get() == before + 3
+    assert metrics.IN_FLIGHT.labels("decode", "http://d:1")._value.get() == in_flight + 3
+    obs.load(1, 10)
+    obs.load(0, 10)
+    assert metrics.IN_FLIGHT_LIMIT._value.get() == 10
+    obs.load(0, 7)
+    assert metrics.IN_FLIGHT_LIMIT._value.get() == 7
