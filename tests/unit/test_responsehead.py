@@ -41,6 +41,11 @@ def test_same_message_as_http_client(block: bytes) -> None:
     theirs = http.client.parse_headers(theirs_fp)
     assert type(ours) is type(theirs)
     assert _state(ours) == _state(theirs)
+    for name in ("content-type", "CONTENT-LENGTH", "set-cookie", "x", "missing", "nel"):
+        assert ours.get(name) == theirs.get(name)
+        assert ours.get(name, "none") == theirs.get(name, "none")
+        assert ours[name] == theirs[name]
+        assert ours.get_all(name) == theirs.get_all(name)
     assert ours.items() == theirs.items()
     assert ours_fp.read() == theirs_fp.read() == b"BODY"
 
@@ -93,3 +98,16 @@ def test_plain_blocks_skip_the_email_parser(monkeypatch: pytest.MonkeyPatch) -> 
         raw = block + b"\r\n"
         assert _state(responsehead.parse_headers(io.BytesIO(raw))) == _state(
             http.client.parse_headers(io.BytesIO(raw)))
+
+
+@pytest.mark.parametrize("block", BLOCKS[:5])
+def test_urllib3_reads_the_same_fields(block: bytes) -> None:
+    from urllib3 import HTTPHeaderDict
+    from urllib3.util.response import assert_header_parsing
+
+    raw = block + b"\r\n"
+    ours = responsehead.parse_headers(io.BytesIO(raw))
+    theirs = http.client.parse_headers(io.BytesIO(raw))
+    assert_header_parsing(ours)
+    assert HTTPHeaderDict(ours.items()) == HTTPHeaderDict(theirs.items())
+    assert list(ours.items()) == list(theirs.items())
