@@ -140,9 +140,12 @@ def test_a_failing_encoder_fails_the_request_before_prefill_and_decode(
     deadline and reported as such. Neither goes to another encoder."""
     e0, e1 = sim("encode"), sim("encode", ttft=0.05)
     p, d = sim("prefill"), sim("decode")
-    px = proxy(roster([e0, e1], [p], [d], encoder_timeout=0.5, decode_retries=2))
+    # A short stage deadline only where it is meant to fire: under load a 4xx can take longer.
+    px = proxy(roster([e0, e1], [p], [d], decode_retries=2,
+                      encoder_timeout=0.5 if "hang_next" in fault else 10.0))
     e0.state.inject(**fault)
-    r = post(px, chat(image(), image(), audio()))
+    first, second, sound = image(), image(), audio()
+    r = post(px, chat(first, second, sound))
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert error["code"] == code and error["message"]
@@ -152,8 +155,12 @@ def test_a_failing_encoder_fails_the_request_before_prefill_and_decode(
         assert "encoder_timeout" in error["message"] and e0.url not in error["message"]
     for lm in (p, d):
         assert lm.state.stats()["completions"] == 0
-    # not retried elsewhere: the one healthy encoder got its share once
-    assert len(completions(e1)) == 1
+    # Not retried elsewhere: the healthy encoder saw at most its own share (the second image),
+    # never e0's items. Whether its call reached it before the failure cancelled the fan-out is
+    # a matter of scheduling.
+    seen = [{k: v for k, v in part.items() if k != "uuid"}
+            for call in completions(e1) for part in media_parts(call)]
+    assert seen in ([], [second]), seen
 
 
 @pytest.mark.parametrize("fault", [{"fail_next": 1, "fail_status": 500}, "stopped"])
