@@ -4,16 +4,32 @@ from __future__ import annotations
 
 import json
 import socket
+import time
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
+import gevent
 from gevent.pywsgi import WSGIHandler
+
+#: How long a test waits for something the proxy does in the background (probes, aborts).
+EVENTUALLY = 5.0
 
 
 def pd_roster(prefills: list[Any], decodes: list[Any], **settings: Any) -> dict[str, Any]:
     instances = [{"role": "prefill", "url": p.url} for p in prefills]
     instances += [{"role": "decode", "url": d.url} for d in decodes]
     return {"settings": settings, "instances": instances}
+
+
+def eventually(check: Callable[[], bool], seconds: float = EVENTUALLY) -> bool:
+    """Poll ``check`` until it is true or ``seconds`` pass; its last answer."""
+    deadline = time.monotonic() + seconds
+    while not check():
+        if time.monotonic() > deadline:
+            return check()
+        gevent.sleep(0.02)
+    return True
 
 
 class NoDelayHandler(WSGIHandler):

@@ -5,34 +5,24 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Callable
 
 import gevent
 import pytest
 import requests
 
 from epd_flask.sim import SimConfig, SimServer
-from tests.helpers import RawStream, free_port
+from tests.helpers import RawStream, eventually, free_port
 
 CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "tell me a story"}],
         "max_tokens": 8, "temperature": 0}
 # Long enough for several 16-token prefix-cache blocks in the simulated prefill.
 LONG_PROMPT = "the quick brown fox jumps over the lazy dog " * 12
-EVENTUALLY = 5.0
 
 
 def sse_events(resp: requests.Response) -> list[str]:
     text = resp.content.decode("utf-8")
     return [block[len("data: "):] for block in text.split("\n\n") if block.startswith("data: ")]
 
-
-def eventually(check: Callable[[], bool], seconds: float = EVENTUALLY) -> bool:
-    deadline = time.monotonic() + seconds
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        gevent.sleep(0.02)
-    return True
 
 
 def mooncake_roster(prefills, decodes, **settings) -> dict:

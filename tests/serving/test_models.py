@@ -3,7 +3,6 @@ different model names, a LoRA adapter loaded and unloaded at run time, through r
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -11,7 +10,7 @@ import gevent
 import requests
 
 from tests.fakes import response
-from tests.helpers import scrape, total
+from tests.helpers import eventually, scrape, total
 
 PROBE = 0.05
 WAIT = 5.0
@@ -33,10 +32,7 @@ def roster(pairs: list[tuple[Any, Any]], **settings: Any) -> dict[str, Any]:
 
 
 def until(check: Callable[[], bool], what: str, timeout: float = WAIT) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        gevent.sleep(0.02)
+    assert eventually(check, timeout), f"timed out waiting for {what}"
 
 
 def listed(px: Any) -> dict[str, dict[str, Any]]:

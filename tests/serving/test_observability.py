@@ -10,14 +10,12 @@ from __future__ import annotations
 import json
 import logging
 import re
-import time
 from xml.etree import ElementTree
 
-import gevent
 import pytest
 import requests
 
-from tests.helpers import RawStream, free_port, pd_roster, sample, scrape, total
+from tests.helpers import RawStream, eventually, free_port, pd_roster, sample, scrape, total
 
 CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "tell me a story"}],
         "max_tokens": 8, "temperature": 0}
@@ -29,14 +27,6 @@ SVG = "{http://www.w3.org/2000/svg}"
 def diff(after, before, name, **labels) -> float:
     return sample(after, name, **labels) - sample(before, name, **labels)
 
-
-def wait_for(predicate, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        gevent.sleep(0.02)
-    return predicate()
 
 
 def request_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -122,8 +112,8 @@ def test_in_flight_follows_an_open_stream(sim, proxy) -> None:
     assert sample(during, "epd_upstream_in_flight", role="decode", instance=d.url) == 1
     assert sample(during, "epd_upstream_in_flight", role="prefill", instance=p.url) == 0
     client.hang_up()
-    assert wait_for(lambda: sample(scrape(px.url), "epd_upstream_in_flight", role="decode",
-                                   instance=d.url) == 0)
+    assert eventually(lambda: sample(scrape(px.url), "epd_upstream_in_flight", role="decode",
+                                     instance=d.url) == 0)
 
 
 def test_counters_that_alerts_watch_are_exported_before_their_first_event(sim, proxy) -> None:
@@ -139,12 +129,12 @@ def test_counters_that_alerts_watch_are_exported_before_their_first_event(sim, p
 def test_probe_failures_evictions_rejoins_and_live_gauges(sim, proxy) -> None:
     p, d1, d2 = sim("prefill"), sim("decode"), sim("decode")
     px = proxy(pd_roster([p], [d1, d2], probe_interval=0.05, fail_threshold=2), probes=True)
-    assert wait_for(lambda: sample(scrape(px.url), "epd_instance_last_probe_ok",
-                                   role="decode", instance=d1.url) == 1)
+    assert eventually(lambda: sample(scrape(px.url), "epd_instance_last_probe_ok",
+                                     role="decode", instance=d1.url) == 1)
     before = scrape(px.url)
     d1.state.inject(health_fail=True)
-    assert wait_for(lambda: sample(scrape(px.url), "epd_instance_live", role="decode",
-                                   instance=d1.url) == 0)
+    assert eventually(lambda: sample(scrape(px.url), "epd_instance_live", role="decode",
+                                     instance=d1.url) == 0)
     evicted = scrape(px.url)
     assert sample(evicted, "epd_instances", role="decode", state="evicted") == 1
     assert sample(evicted, "epd_instances", role="decode", state="live") == 1
@@ -153,8 +143,8 @@ def test_probe_failures_evictions_rejoins_and_live_gauges(sim, proxy) -> None:
     assert diff(evicted, before, "epd_probe_failures_total", role="decode",
                 instance=d1.url) >= 2
     d1.state.inject(health_fail=False)
-    assert wait_for(lambda: sample(scrape(px.url), "epd_instance_live", role="decode",
-                                   instance=d1.url) == 1)
+    assert eventually(lambda: sample(scrape(px.url), "epd_instance_live", role="decode",
+                                     instance=d1.url) == 1)
     after = scrape(px.url)
     assert diff(after, before, "epd_rejoins_total", role="decode", instance=d1.url) == 1
     assert sample(after, "epd_instances", role="decode", state="live") == 2

@@ -10,15 +10,13 @@ vLLM gives the request in its engine) is still in flight.
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable
 from typing import Any
 
 import gevent
 import pytest
 import requests
 
-from tests.helpers import pd_roster
+from tests.helpers import eventually, pd_roster
 
 PROMPTS = ("the first client asks about apples", "the second client asks about the weather")
 CLIENT_ID = "same-id-1"
@@ -45,14 +43,6 @@ def _answer(url: str, prompt: str, stream: bool) -> str:
                    for e in events[:-1] if json.loads(e)["choices"])
 
 
-def _eventually(check: Callable[[], bool], seconds: float = 5.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        gevent.sleep(0.02)
-    return True
-
 
 def _fleet(connector: str, sim, proxy) -> tuple[Any, Any, Any]:
     knobs_p: dict[str, Any] = {"ttft": PREFILL_TTFT}
@@ -64,7 +54,7 @@ def _fleet(connector: str, sim, proxy) -> tuple[Any, Any, Any]:
             {"role": "prefill", "url": p.url, "bootstrap_url": p.bootstrap_url},
             {"role": "decode", "url": d.url}]}
         px = proxy(doc, probes=True)
-        assert _eventually(lambda: requests.get(px.url + "/ready", timeout=5).ok)
+        assert eventually(lambda: requests.get(px.url + "/ready", timeout=5).ok)
         return p, d, px
     p, d = sim("prefill", **knobs_p), sim("decode", **knobs_d)
     if connector == "p2p_nccl":
