@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import socket
+import subprocess
 import time
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +34,19 @@ def eventually(check: Callable[[], bool], seconds: float = EVENTUALLY) -> bool:
             return check()
         gevent.sleep(0.02)
     return True
+
+
+def stop_group(proc: subprocess.Popen[Any]) -> None:
+    """Stop a server started in its own process group: SIGTERM, then SIGKILL after 10 s."""
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(5)
 
 
 class NoDelayHandler(WSGIHandler):

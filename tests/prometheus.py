@@ -13,7 +13,6 @@ import math
 import os
 import re
 import shutil
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Any
 import requests
 import yaml
 
-from tests.helpers import free_port
+from tests.helpers import free_port, stop_group
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMETHEUS_DIR = ROOT / "etc" / "prometheus"
@@ -125,12 +124,5 @@ class Prometheus:
                 if not math.isnan(float(s["value"][1]))]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
+        stop_group(self.proc)
         self.log.close()

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import requests
 
-from tests.helpers import free_port
+from tests.helpers import free_port, stop_group
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED_CONF = ROOT / "etc" / "nginx.conf"
@@ -133,10 +133,5 @@ class Nginx:
                 os.killpg(self.proc.pid, signal.SIGTERM)
 
     def stop(self) -> None:
-        self.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(5)
+        stop_group(self.proc)
         self.log.close()
