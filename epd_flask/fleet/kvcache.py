@@ -1,0 +1,234 @@
+"""What one instance holds in its prefix cache, as its KV-cache events tell it
+(docs/behaviour.md#routing-policies): vLLM's event format, decoded, and the picture it builds.
+
+vLLM seeds its block hashes per process, so two instances name the same tokens differently
+and a hash means nothing outside the instance that made it. The picture therefore keys
+blocks by our own chain hash of the token ids (``block_key``), the same for every instance,
+every worker and every host, and keeps vLLM's hash only to find a block's parent and to apply
+its removal. Pure Python: no sockets, so it is tested by feeding it events.
+
+The wire format (vllm/distributed/kv_events.py): each ZMQ message is three frames, a topic, an
+8-byte big-endian sequence number and a msgpack ``[ts, [event, ...], data_parallel_rank?]``.
+An event is a map with its kind under ``type`` (``BlockStored``, ``BlockRemoved``,
+``AllBlocksCleared``; vLLM 0.32), or an array whose first element is the kind and whose
+fields follow in declaration order (earlier vLLM releases). Block hashes are bytes, or
+integers when ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` is on (0.32's default).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+STORED, REMOVED, CLEARED = "BlockStored", "BlockRemoved", "AllBlocksCleared"
+#: Field order of the array form, after the kind (vLLM's struct declaration order).
+STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+                 "medium", "lora_name", "extra_keys")
+REMOVED_FIELDS = ("block_hashes", "medium")
+#: Blocks remembered per instance. vLLM's CPU default cache (4 GiB) of an 8B model holds
+#: ~2,000 blocks of 16 tokens and a large GPU holds ~100,000; at ~200 bytes a block this is
+#: ~26 MB per instance in the worst case, and the oldest blocks go first.
+MAX_BLOCKS = 131072
+ROOT = b"epd-kv-root"
+KEY_BYTES = 16
+
+
+class MalformedEvents(ValueError):
+    """A message that is not vLLM's KV-event format."""
+
+
+@dataclass(frozen=True)
+class Stored:
+    block_hashes: tuple[Hashable, ...]
+    parent: Hashable | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    #: What else vLLM hashed into these blocks (a LoRA, media, a cache salt); blocks with
+    #: any are keyed apart from plain text, so a text prompt never matches them.
+    salt: bytes = b""
+
+
+@dataclass(frozen=True)
+class Removed:
+    block_hashes: tuple[Hashable, ...]
+
+
+@dataclass(frozen=True)
+class Cleared:
+    pass
+
+
+Event = Stored | Removed | Cleared
+
+
+def sequence_number(frame: bytes) -> int:
+    if len(frame) != 8:
+        raise MalformedEvents(f"a sequence number frame of {len(frame)} bytes, not 8")
+    return int.from_bytes(frame, "big", signed=True)
+
+
+def decode_batch(payload: bytes) -> list[Event]:
+    """The events of one message's payload frame; ``MalformedEvents`` if it is not one."""
+    try:
+        batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types for garbage
+        raise MalformedEvents(f"not msgpack: {exc}") from None
+    if not isinstance(batch, (list, tuple)) or len(batch) < 2 \
+            or not isinstance(batch[1], (list, tuple)):
+        raise MalformedEvents("not a [timestamp, [events...]] batch")
+    return [decode_event(raw) for raw in batch[1]]
+
+
+def _fields(raw: Any, names: tuple[str, ...]) -> tuple[str, dict[str, Any]]:
+    if isinstance(raw, dict):
+        return str(raw.get("type")), raw
+    if isinstance(raw, (list, tuple)) and raw:
+        return str(raw[0]), dict(zip(names, raw[1:], strict=False))
+    raise MalformedEvents(f"an event that is neither a map nor an array: {type(raw).__name__}")
+
+
+def _hashes(value: Any) -> tuple[Hashable, ...]:
+    if not isinstance(value, (list, tuple)) \
+            or not all(isinstance(h, (bytes, int)) and not isinstance(h, bool) for h in value):
+        raise MalformedEvents("block_hashes is not a list of bytes or integers")
+    return tuple(value)
+
+
+def decode_event(raw: Any) -> Event:
+    kind = raw.get("type") if isinstance(raw, dict) else raw[0] if isinstance(
+        raw, (list, tuple)) and raw else None
+    if kind == CLEARED:
+        return Cleared()
+    if kind == REMOVED:
+        _, f = _fields(raw, REMOVED_FIELDS)
+        return Removed(_hashes(f.get("block_hashes")))
+    if kind != STORED:
+        raise MalformedEvents(f"an unknown event kind {kind!r}")
+    _, f = _fields(raw, STORED_FIELDS)
+    hashes = _hashes(f.get("block_hashes"))
+    parent = f.get("parent_block_hash")
+    tokens = f.get("token_ids")
+    size = f.get("block_size")
+    if parent is not None and not isinstance(parent, (bytes, int)):
+        raise MalformedEvents("parent_block_hash is not bytes, an integer or nil")
+    if not isinstance(tokens, (list, tuple)) or not all(isinstance(t, int) for t in tokens):
+        raise MalformedEvents("token_ids is not a list of integers")
+    if not isinstance(size, int) or size <= 0 or len(tokens) != size * len(hashes):
+        raise MalformedEvents(f"{len(tokens)} token ids for {len(hashes)} blocks of {size!r}")
+    extra = [f.get("lora_name"), f.get("extra_keys")]
+    salt = b"" if not any(_meaningful(x) for x in extra) else repr(extra).encode()
+    return Stored(hashes, parent, tuple(tokens), size, salt)
+
+
+def _meaningful(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return any(_meaningful(v) for v in value)
+    return value is not None
+
+
+def block_key(parent: bytes, token_ids: Sequence[int], salt: bytes = b"") -> bytes:
+    """Our name for a block: blake2b over its parent's name and its token ids, the same in
+    every process. Token ids are packed as 32-bit integers (every vocabulary fits)."""
+    h = hashlib.blake2b(parent, digest_size=KEY_BYTES, person=b"epd-kv")
+    h.update(array("I", token_ids).tobytes())
+    if salt:
+        h.update(salt)
+    return h.digest()
+
+
+def prompt_keys(tokens: Sequence[int], block_size: int, limit: int | None = None) -> list[bytes]:
+    """The keys of a prompt's full blocks (vLLM caches only full blocks), first to last."""
+    keys: list[bytes] = []
+    parent = ROOT
+    count = len(tokens) // block_size
+    if limit is not None:
+        count = min(count, limit)
+    for i in range(count):
+        parent = block_key(parent, tokens[i * block_size:(i + 1) * block_size])
+        keys.append(parent)
+    return keys
+
+
+class CachePicture:
+    """One instance's cached blocks by our key, least recently stored first.
+
+    ``ready`` once an event told the block size; a store whose parent is unknown (events
+    missed before we subscribed or in a gap) is ignored: without its parent its name
+    cannot be computed, and a later request could not match it anyway.
+    """
+
+    def __init__(self, max_blocks: int = MAX_BLOCKS) -> None:
+        self.max_blocks = max_blocks
+        self.block_size: int | None = None
+        self._theirs: OrderedDict[Hashable, bytes] = OrderedDict()
+        self._ours: dict[bytes, Hashable] = {}
+        self.ignored = 0
+
+    @property
+    def ready(self) -> bool:
+        return self.block_size is not None
+
+    def __len__(self) -> int:
+        return len(self._ours)
+
+    def holds(self, key: bytes) -> bool:
+        return key in self._ours
+
+    def apply(self, events: Sequence[Event]) -> None:
+        for event in events:
+            if isinstance(event, Stored):
+                self._store(event)
+            elif isinstance(event, Removed):
+                for theirs in event.block_hashes:
+                    ours = self._theirs.pop(theirs, None)
+                    if ours is not None and self._ours.get(ours) == theirs:
+                        del self._ours[ours]
+            else:
+                self.clear()
+
+    def clear(self) -> None:
+        self._theirs.clear()
+        self._ours.clear()
+
+    def _store(self, event: Stored) -> None:
+        if self.block_size != event.block_size:
+            if self.block_size is not None:
+                self.clear()  # another engine configuration: nothing known still holds
+            self.block_size = event.block_size
+        if event.parent is None:
+            parent = ROOT
+        else:
+            known = self._theirs.get(event.parent)
+            if known is None:
+                self.ignored += 1
+                return
+            parent = known
+        size = event.block_size
+        for i, theirs in enumerate(event.block_hashes):
+            parent = block_key(parent, event.token_ids[i * size:(i + 1) * size], event.salt)
+            previous = self._ours.get(parent)
+            if previous is not None and previous != theirs:
+                self._theirs.pop(previous, None)  # the engine restarted with a new seed
+            self._theirs[theirs] = parent
+            self._theirs.move_to_end(theirs)
+            self._ours[parent] = theirs
+        while len(self._theirs) > self.max_blocks:
+            theirs, ours = self._theirs.popitem(last=False)
+            if self._ours.get(ours) == theirs:
+                del self._ours[ours]
+
+    def matched(self, keys: Sequence[bytes]) -> int:
+        """How many of ``keys`` (a prompt's blocks, in order) this instance holds from the
+        first on: the prefix a prefill there would not compute again."""
+        n = 0
+        for key in keys:
+            if key not in self._ours:
+                break
+            n += 1
+        return n

@@ -1,0 +1,167 @@
+"""vLLM's KV-event format and the cache picture built from it, without sockets
+(docs/behaviour.md#routing-policies)."""
+
+from __future__ import annotations
+
+import random
+
+import msgpack
+import pytest
+
+from epd_flask.fleet import kvcache
+from epd_flask.fleet.kvcache import CachePicture, MalformedEvents, prompt_keys
+
+BLOCK = 4
+
+
+def stored(hashes: list[int], parent: int | None, tokens: list[int], size: int = BLOCK,
+           **extra: object) -> dict[str, object]:
+    """A BlockStored as vLLM 0.32 encodes it (msgspec, tag in ``type``)."""
+    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
+            "token_ids": tokens, "block_size": size, "lora_id": None, "medium": "GPU",
+            "lora_name": None, "extra_keys": [None] * len(hashes), "group_idx": 0,
+            "kv_cache_spec_kind": "full_attention", **extra}
+
+
+def batch(*events: object, rank: int | None = 0) -> bytes:
+    return msgpack.packb([1796149219.8, list(events), rank])
+
+
+class Engine:
+    """vLLM's side: per-process random hashes for the chains it caches, as events."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.hashes: dict[tuple[int, ...], int] = {}
+
+    def store(self, tokens: list[int], size: int = BLOCK) -> list[dict[str, object]]:
+        """The events of caching ``tokens``' full blocks, only the new ones (vLLM stores a
+        block once; its parent is the last block already cached)."""
+        parent = None
+        new_hashes, new_tokens = [], []
+        first_parent = None
+        for i in range(len(tokens) // size):
+            prefix = tuple(tokens[:(i + 1) * size])
+            h = self.hashes.get(prefix)
+            if h is None:
+                h = self.hashes[prefix] = self.rng.getrandbits(64)
+                if not new_hashes:
+                    first_parent = parent
+                new_hashes.append(h)
+                new_tokens += tokens[i * size:(i + 1) * size]
+            parent = h
+        return [stored(new_hashes, first_parent, new_tokens, size)] if new_hashes else []
+
+    def hash_of(self, tokens: list[int]) -> int:
+        return self.hashes[tuple(tokens)]
+
+
+def picture_of(*event_lists: list[dict[str, object]], max_blocks: int = 1000) -> CachePicture:
+    picture = CachePicture(max_blocks)
+    for events in event_lists:
+        picture.apply(kvcache.decode_batch(batch(*events)))
+    return picture
+
+
+PROMPT = list(range(100, 118))  # 4 full blocks of 4, and 2 tokens over
+
+
+def test_two_engines_with_different_hashes_give_the_same_picture() -> None:
+    """vLLM seeds its hashes per process: only our token-chain keys compare instances."""
+    a, b = Engine(1), Engine(2)
+    pa, pb = picture_of(a.store(PROMPT)), picture_of(b.store(PROMPT))
+    keys = prompt_keys(PROMPT, BLOCK)
+    assert len(keys) == 4
+    assert pa.matched(keys) == pb.matched(keys) == 4
+    assert a.store(PROMPT) == []  # nothing new: vLLM stores a block once
+
+
+def test_a_later_store_chains_on_its_parent_across_messages() -> None:
+    engine = Engine(1)
+    first = engine.store(PROMPT[:8])
+    second = engine.store(PROMPT)  # parent: the hash of block 2, sent earlier
+    assert second[0]["parent_block_hash"] == engine.hash_of(PROMPT[:8])
+    picture = picture_of(first, second)
+    assert picture.matched(prompt_keys(PROMPT, BLOCK)) == 4
+    other = PROMPT[:8] + [0] * 8
+    assert picture.matched(prompt_keys(other, BLOCK)) == 2  # the longest prefix held
+
+
+def test_a_store_whose_parent_was_missed_is_ignored() -> None:
+    engine = Engine(1)
+    engine.store(PROMPT[:8])  # published before we subscribed
+    picture = picture_of(engine.store(PROMPT))
+    assert picture.matched(prompt_keys(PROMPT, BLOCK)) == 0
+    assert picture.ignored == 1 and len(picture) == 0
+
+
+def test_removed_blocks_and_all_cleared_apply() -> None:
+    engine = Engine(1)
+    picture = picture_of(engine.store(PROMPT))
+    keys = prompt_keys(PROMPT, BLOCK)
+    third = engine.hash_of(PROMPT[:12])
+    picture.apply(kvcache.decode_batch(batch(
+        {"type": "BlockRemoved", "block_hashes": [third], "medium": "GPU"})))
+    assert picture.matched(keys) == 2
+    picture.apply(kvcache.decode_batch(batch({"type": "AllBlocksCleared"})))
+    assert picture.matched(keys) == 0 and len(picture) == 0
+
+
+def test_the_picture_is_bounded_oldest_stores_first() -> None:
+    engine = Engine(1)
+    prompts = [[p] * 8 for p in range(1, 11)]  # ten prompts of two blocks
+    picture = picture_of(*(engine.store(p) for p in prompts), max_blocks=6)
+    assert len(picture) == 6
+    assert picture.matched(prompt_keys(prompts[0], BLOCK)) == 0
+    assert picture.matched(prompt_keys(prompts[-1], BLOCK)) == 2
+
+
+def test_the_array_form_of_earlier_vllm_and_bytes_hashes_decode_alike() -> None:
+    tokens = PROMPT[:8]
+    array_form = ["BlockStored", [b"h1", b"h2"], None, tokens, BLOCK, None, "GPU"]
+    picture = CachePicture()
+    picture.apply(kvcache.decode_batch(batch(array_form, rank=None)))
+    assert picture.matched(prompt_keys(tokens, BLOCK)) == 2
+    picture.apply(kvcache.decode_batch(batch(["BlockRemoved", [b"h2"], "GPU"])))
+    assert picture.matched(prompt_keys(tokens, BLOCK)) == 1
+
+
+def test_blocks_hashed_with_a_lora_or_media_never_match_plain_text() -> None:
+    with_lora = stored([7, 8], None, PROMPT[:8], lora_name="tiny-lora")
+    picture = picture_of([with_lora])
+    assert len(picture) == 2
+    assert picture.matched(prompt_keys(PROMPT[:8], BLOCK)) == 0
+
+
+def test_a_new_block_size_starts_the_picture_again() -> None:
+    picture = picture_of(Engine(1).store(PROMPT))
+    picture.apply(kvcache.decode_batch(batch(stored([9], None, PROMPT[:8], size=8))))
+    assert picture.block_size == 8 and len(picture) == 1
+
+
+@pytest.mark.parametrize("payload", [
+    b"\xc1garbage", msgpack.packb({"not": "a batch"}), msgpack.packb([1.0]),
+    msgpack.packb([1.0, [{"type": "Nope"}]]),
+    msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": [1], "token_ids": [1, 2],
+                          "block_size": 4, "parent_block_hash": None}]]),
+    msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": "x", "token_ids": [],
+                          "block_size": 4, "parent_block_hash": None}]]),
+    msgpack.packb([1.0, [17]]),
+])
+def test_garbage_is_malformed_not_a_crash(payload: bytes) -> None:
+    with pytest.raises(MalformedEvents):
+        kvcache.decode_batch(payload)
+
+
+def test_sequence_numbers_are_eight_bytes_big_endian() -> None:
+    assert kvcache.sequence_number((258).to_bytes(8, "big")) == 258
+    with pytest.raises(MalformedEvents):
+        kvcache.sequence_number(b"\x01")
+
+
+def test_prompt_keys_depend_on_every_earlier_block() -> None:
+    a = prompt_keys([1, 2, 3, 4, 5, 6, 7, 8], BLOCK)
+    b = prompt_keys([1, 2, 3, 0, 5, 6, 7, 8], BLOCK)
+    assert a[0] != b[0] and a[1] != b[1]
+    assert prompt_keys([1, 2, 3], BLOCK) == []
+    assert len(prompt_keys(list(range(40)), BLOCK, limit=3)) == 3
