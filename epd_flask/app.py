@@ -20,6 +20,8 @@ from epd_flask.control.urlpolicy import URLPolicy
 from epd_flask.core import errors
 from epd_flask.core.errors import ClientError, ProxyError
 from epd_flask.core.headers import REQUEST_ID_HEADER
+from epd_flask.fleet.kvaware import KVAware
+from epd_flask.fleet.kvevents import KVEvents
 from epd_flask.fleet.prober import Prober
 from epd_flask.fleet.registry import Registry
 from epd_flask.fleet.rostersync import Fleet
@@ -47,8 +49,6 @@ def build_services(config: ProxyConfig, roster: Roster, generation: int = 0) -> 
     registry = Registry(roster.instances, settings.fail_threshold, settings.evicted_ttl)
     # Under gunicorn (a master's state directory) workers come and go with every reload: each
     # starts its rotation somewhere random. A lone in-process app starts at the first.
-    router = Router(registry, start=None if config.state_dir else 0,
-                    settings=lambda: pipeline.roster.settings)
     transport = Transport(
         settings.connect_timeout, config.pool_maxsize,
         idle_timeout=config.upstream_idle_timeout, keepalive=config.upstream_keepalive,
@@ -56,6 +56,14 @@ def build_services(config: ProxyConfig, roster: Roster, generation: int = 0) -> 
                      config.upstream_client_key),
         max_answer_bytes=config.max_upstream_body_bytes,
     )
+    backend_auth = {"Authorization": f"Bearer {config.backend_api_key}"} \
+        if config.backend_api_key else None
+    kv_events = KVEvents(registry)
+    router = Router(registry, start=None if config.state_dir else 0,
+                    settings=lambda: pipeline.roster.settings,
+                    kv=KVAware(kv_events, transport,
+                               lambda: pipeline.roster.settings.kv_tokenize_timeout,
+                               backend_auth))
     cls = connector_class(settings.connector)
     discovery = None
     if cls.bootstrap:
@@ -67,8 +75,7 @@ def build_services(config: ProxyConfig, roster: Roster, generation: int = 0) -> 
     pipeline = Pipeline(roster, registry, router, transport, connector,
                         max_event_bytes=config.max_event_bytes)
     prober = Prober(registry, transport, lambda: pipeline.roster.settings,
-                    models_headers={"Authorization": f"Bearer {config.backend_api_key}"}
-                    if config.backend_api_key else None)
+                    models_headers=backend_auth)
     state = StateDir(config.state_dir) if config.state_dir else None
     fleet = Fleet(roster, generation, registry, pipeline, config.roster_path, state,
                   prober.probe_now)
@@ -78,7 +85,7 @@ def build_services(config: ProxyConfig, roster: Roster, generation: int = 0) -> 
                     keys=KeyRing(config.api_keys),
                     url_policy=URLPolicy.build(config.instance_schemes,
                                                config.instance_networks),
-                    history=metrics.History())
+                    history=metrics.History(), kv_events=kv_events)
 
 
 def create_app(config: ProxyConfig | None = None, roster: Roster | None = None) -> Flask:

@@ -65,6 +65,9 @@ class Instance(_Strict):
     ec_zmq_addrs: tuple[str, ...] | None = None
     bootstrap_url: str | None = None
     kv_zmq_addr: str | None = None
+    #: Where the instance publishes its KV-cache events (vLLM's ``--kv-events-config``
+    #: endpoint, as a subscriber connects to it), for ``kv_aware`` routing.
+    kv_events: str | None = None
     #: The model names (LoRA adapters included) this instance serves, as clients name them.
     #: None: discovered from the instance's ``/v1/models`` (docs/behaviour.md#models).
     models: tuple[str, ...] | None = None
@@ -92,6 +95,11 @@ class Instance(_Strict):
     @classmethod
     def _kv_address(cls, value: str | None) -> str | None:
         return None if value is None else transfer_address(value)
+
+    @field_validator("kv_events")
+    @classmethod
+    def _events_endpoint(cls, value: str | None) -> str | None:
+        return None if value is None else events_endpoint(value)
 
     @field_validator("ec_zmq_addrs")
     @classmethod
@@ -133,6 +141,18 @@ def transfer_address(value: str) -> str:
     if parts.scheme != "tcp" or not parts.hostname or port is None or parts.path \
             or parts.query or parts.fragment or "@" in parts.netloc:
         raise ValueError(f"must be host:port or tcp://host:port, got {value!r}")
+    return value
+
+
+def events_endpoint(value: str) -> str:
+    """A KV-event endpoint to connect a ZMQ subscriber to: ``tcp://host:port``
+    (``host:port`` is read as that). vLLM *binds* ``tcp://*:port``; a subscriber must name
+    the host."""
+    value = transfer_address(value)
+    value = value if "://" in value else "tcp://" + value
+    if urlsplit(value).hostname in ("*", "0.0.0.0", "::"):
+        raise ValueError(f"must name the instance's host (vLLM binds {value}; connect to "
+                         f"tcp://<its host>:<port>), got {value!r}")
     return value
 
 

@@ -80,6 +80,9 @@ reload: EventHook[[str, bool]] = EventHook()
 load: EventHook[[int, int]] = EventHook()
 #: A client request was refused before it started: (reason, e.g. ``overloaded``).
 refused: EventHook[[str]] = EventHook()
+#: KV-cache events heard from an instance: (url, kind, count); kind is ``stored``,
+#: ``removed``, ``cleared``, ``malformed`` (a message skipped) or ``gap`` (messages lost).
+kv_events: EventHook[[str, str, int]] = EventHook()
 #: A stopping worker ended this many requests that outlived its grace period.
 ended_by_shutdown: EventHook[[int]] = EventHook()
 

@@ -129,4 +129,4 @@ def request_affinity(body: dict[str, Any], session: str | None = None) -> Affini
         session_key = _hash("user\x1e" + user) if isinstance(user, str) and user else None
     return Affinity(prefix=_hash(anchor) if anchor else None,
                     shared=_hash(shared) if shared else None, session=session_key,
-                    prompt_tokens=estimate_tokens(body))
+                    prompt_tokens=estimate_tokens(body), body=body)

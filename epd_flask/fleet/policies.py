@@ -14,8 +14,9 @@ from __future__ import annotations
 import hashlib
 import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from epd_flask.control.roster import Instance
 
@@ -23,6 +24,9 @@ ROUND_ROBIN, LEAST_LOADED, PREFIX, KV_AWARE, SESSION = (
     "round_robin", "least_loaded", "prefix", "kv_aware", "session")
 #: Decision outcomes, the metric's bounded label values.
 ROTATION, LEAST, TIE, HIT, SPILL, NOKEY = "rotation", "least", "tie", "hit", "spill", "nokey"
+#: ``kv_aware``'s outcomes: chosen by cached blocks; no instance holds any of the prompt's
+#: blocks; no picture or no tokens to match (both of the last two take the prefix choice).
+KVHIT, KVMISS, FALLBACK = "kvhit", "kvmiss", "fallback"
 
 
 @dataclass
@@ -41,6 +45,10 @@ class Affinity:
     session: bytes | None = None
     prompt_tokens: int = 0
     decisions: list[str] = field(default_factory=list)
+    #: The body itself, for ``kv_aware``, which must know the prompt's tokens; ``tokens``
+    #: holds them once known (``()`` when they cannot be), so a retry asks only once.
+    body: dict[str, Any] | None = None
+    tokens: Sequence[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -119,3 +127,21 @@ def power_of_two(candidates: Sequence[Instance], load: Callable[[Instance], int]
     if lb < la:
         a, b, la, lb = b, a, lb, la
     return Decision(a, LEAST_LOADED, LEAST, f"{la}<{lb}")
+
+
+def kv_choice(order: Sequence[Instance], matched: Mapping[str, int], blocks: int,
+              load: Callable[[Instance], int], factor: float, fallback: Decision) -> Decision:
+    """The instance holding the longest prefix of the prompt's ``blocks`` (``matched``: by
+    URL, how many it holds from the first), among those under the same load bound as
+    ``bounded_rendezvous``, so a hot prefix still spills over. ``order`` is the candidates
+    in the request's rendezvous order: ties go to the prefix choice, then to the first in
+    that order, so every worker breaks them alike; no block held anywhere: the prefix
+    choice."""
+    bound = load_bound([load(i) for i in order], factor)
+    eligible = [i for i in order if load(i) < bound] or list(order)
+    best = max(matched.get(i.url, 0) for i in eligible)
+    if best == 0:
+        return Decision(fallback.instance, KV_AWARE, KVMISS, f"blocks=0/{blocks},{fallback.why}")
+    tied = [i for i in eligible if matched.get(i.url, 0) == best]
+    chosen = next((i for i in tied if i.url == fallback.instance.url), tied[0])
+    return Decision(chosen, KV_AWARE, KVHIT, f"blocks={best}/{blocks},load={load(chosen)}")

@@ -23,6 +23,7 @@ from epd_flask.control.roster import Instance
 from epd_flask.core import events
 from epd_flask.core.errors import NoBackend
 from epd_flask.fleet import policies
+from epd_flask.fleet.kvaware import KVAware
 from epd_flask.fleet.policies import Affinity, Decision
 from epd_flask.fleet.registry import Registry
 
@@ -73,8 +74,9 @@ class Router:
     """
 
     def __init__(self, registry: Registry, start: int | None = 0,
-                 settings: Callable[[], Any] | None = None) -> None:
+                 settings: Callable[[], Any] | None = None, kv: KVAware | None = None) -> None:
         self.registry = registry
+        self.kv = kv
         self._start = start
         self._settings = settings
         self._cursors: dict[str, Iterator[int]] = {}
@@ -110,9 +112,9 @@ class Router:
                affinity: Affinity | None) -> Decision:
         """``policy``'s choice among ``candidates`` (live, not excluded, non-empty).
 
-        ``kv_aware`` has no KV-event picture yet and routes as ``prefix`` does (the issue's
-        own fallback for lost or late events); ``session`` without a ``user`` falls back to
-        the prefix key, which a conversation's turns share too.
+        ``kv_aware`` starts from the prefix choice and lets the instances' cached blocks
+        overrule it (``KVAware.decide``); ``session`` without a ``user`` falls back to the
+        prefix key, which a conversation's turns share too.
         """
         if policy == policies.LEAST_LOADED:
             return policies.power_of_two(candidates, self.load, self._rng)
@@ -125,6 +127,11 @@ class Router:
                     declared.default("routing_load_factor")
                 decision = policies.bounded_rendezvous(key, candidates, self.load, factor,
                                                        policy, affinity.shared, SHARED_SPREAD)
+                if policy == policies.KV_AWARE:
+                    if self.kv is None:
+                        return Decision(decision.instance, policy, policies.FALLBACK,
+                                        "noevents," + decision.why)
+                    return self.kv.decide(candidates, affinity, decision, self.load, factor)
                 if fallback:
                     return Decision(decision.instance, policy, decision.outcome,
                                     "prefix:" + decision.why)

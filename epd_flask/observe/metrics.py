@@ -83,6 +83,10 @@ ROUTING = Counter(
 UPSTREAM_ERRORS = Counter(
     "epd_upstream_errors_total", "Failed upstream calls of client requests, by instance and "
     "error code.", ["stage", "instance", "kind"], registry=_REGISTRY)
+KV_EVENTS = Counter(
+    "epd_kv_events_total", "KV-cache events heard from an instance's kv_events endpoint (per "
+    "worker), by kind: stored, removed, cleared; malformed: messages skipped; gap: a jump in "
+    "the sequence (messages lost).", ["instance", "kind"], registry=_REGISTRY)
 PROBE_FAILURES = Counter("epd_probe_failures_total", "Failed /health probes (per worker).",
                          ["role", "instance"], registry=_REGISTRY)
 EVICTIONS = Counter("epd_evictions_total", "Instances evicted (each worker decides for itself).",
@@ -220,6 +224,7 @@ class MetricsObserver:
         events.upstream_error.add_listener(self.upstream_error)
         events.retry.add_listener(self.retry)
         events.routed.add_listener(self.routed)
+        events.kv_events.add_listener(self.kv_events)
         events.probe.add_listener(self.probe)
         events.evicted.add_listener(self.evicted)
         events.rejoined.add_listener(self.rejoined)
@@ -241,6 +246,9 @@ class MetricsObserver:
 
     def routed(self, role: str, policy: str, outcome: str, url: str) -> None:
         ROUTING.labels(role, policy, outcome, self.instance_label(url)).inc()
+
+    def kv_events(self, url: str, kind: str, count: int) -> None:
+        KV_EVENTS.labels(self.instance_label(url), kind).inc(count)
 
     def retry(self, stage: str, cause: str) -> None:
         RETRIES.labels(stage, cause).inc()

@@ -113,6 +113,8 @@ def _check_policy(inst: Instance, policy: URLPolicy) -> None:
         checks.append(("bootstrap_url", inst.bootstrap_url, check_instance_url))
     if inst.kv_zmq_addr is not None:
         checks.append(("kv_zmq_addr", inst.kv_zmq_addr, check_instance_address))
+    if inst.kv_events is not None:  # the proxy's own workers connect to it
+        checks.append(("kv_events", inst.kv_events, check_instance_address))
     for n, addr in enumerate(inst.ec_zmq_addrs or ()):
         checks.append((f"ec_zmq_addrs[{n}]", addr, check_instance_address))
     for field, value, check in checks:

@@ -15,6 +15,7 @@ from flask import Flask, current_app
 from epd_flask.control.config import ProxyConfig
 from epd_flask.control.roster import Roster
 from epd_flask.control.urlpolicy import URLPolicy
+from epd_flask.fleet.kvevents import KVEvents
 from epd_flask.fleet.prober import Prober
 from epd_flask.fleet.registry import Registry
 from epd_flask.fleet.rostersync import Fleet
@@ -45,6 +46,7 @@ class Services:
     keys: KeyRing = field(default_factory=lambda: KeyRing(()))
     url_policy: URLPolicy = field(default_factory=URLPolicy)
     history: metrics.History = field(default_factory=metrics.History)
+    kv_events: KVEvents | None = None
 
     @property
     def roster(self) -> Roster:
@@ -65,6 +67,8 @@ class Services:
         if self.discovery is not None:
             self.discovery.start()
         self.history.start()
+        if self.kv_events is not None:
+            self.kv_events.start()
 
     def stop(self) -> None:
         self.drain.stop()
@@ -72,6 +76,8 @@ class Services:
         if self.discovery is not None:
             self.discovery.stop()
         self.history.stop()
+        if self.kv_events is not None:
+            self.kv_events.stop()
         self.fleet.stop()
         self.transport.close()
 

@@ -18,7 +18,8 @@ import gevent
 import requests
 import yaml
 
-from tests.helpers import RawStream, Samples, scrape
+from tests.helpers import RawStream, Samples, eventually, scrape
+from tests.unit.test_kvaware import Publisher
 
 README = Path(__file__).parents[2] / "README.md"
 KEY = "metrics-admin-key"
@@ -57,8 +58,10 @@ def test_every_documented_metric_moves(sim, proxy, tmp_path: Path) -> None:
     e, p = sim("encode"), sim("prefill")
     d1 = sim("decode", token_delay=0.05, output_tokens=400)
     d2 = sim("decode", token_delay=0.05, output_tokens=400)
+    events = Publisher()  # the prefill's KV-event endpoint, as vLLM's
     doc = {"settings": {"fail_threshold": 1, "probe_interval": 60},
-           "instances": [{"role": "encode", "url": e.url}, {"role": "prefill", "url": p.url},
+           "instances": [{"role": "encode", "url": e.url},
+                         {"role": "prefill", "url": p.url, "kv_events": events.endpoint},
                          {"role": "decode", "url": d1.url}]}
     roster = tmp_path / "roster.yaml"
     roster.write_text(yaml.safe_dump(doc))
@@ -119,6 +122,19 @@ def test_every_documented_metric_moves(sim, proxy, tmp_path: Path) -> None:
     with gevent.Timeout(5):
         while px.services.inflight.count:
             gevent.sleep(0.01)
+    step()
+    # KV-cache events: a subscriber per instance with an endpoint, sent until it hears.
+    assert px.services.kv_events is not None
+    px.services.kv_events.sync()
+    try:
+        assert eventually(lambda: px.services.kv_events.readers[p.url].connected)
+        for n in range(50):
+            events.store([n] * 64)
+            if eventually(lambda: px.services.kv_events.picture(p.url) is not None, 0.1):
+                break
+    finally:
+        px.services.kv_events.stop()
+        events.close()
     step()
     # The per-worker cap is a setting: another worker (app) with another cap reports it.
     other = proxy(doc, max_in_flight=3)

@@ -136,14 +136,14 @@ def test_router_prefix_picks_the_same_instance_and_logs_why() -> None:
     assert len(picks) == 1
 
 
-def test_router_prefix_without_a_key_rotates_and_kv_aware_routes_as_prefix() -> None:
+def test_router_prefix_without_a_key_rotates_and_kv_aware_without_events_as_prefix() -> None:
     registry = Registry(prefills(3))
     router = Router(registry, settings=lambda: FakeSettings({"prefill": "kv_aware"}))
     assert len({router.pick("prefill").url for _ in range(3)}) == 3
     with serving(Affinity(prefix=b"k")) as aff:
         chosen = router.pick("prefill")
     assert chosen == policies.rendezvous_order(b"k", registry.live("prefill"))[0]
-    assert aff.decisions == ["prefill:kv_aware(hit)"]
+    assert aff.decisions == ["prefill:kv_aware(noevents,hit)"]
 
 
 def test_router_least_loaded_reads_the_registry_in_flight_count() -> None:

@@ -1,0 +1,264 @@
+"""The ``kv_aware`` policy and its KV-event readers on real loopback ZMQ sockets
+(docs/behaviour.md#routing-policies)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import gevent
+import pytest
+import zmq
+import zmq.green as zmq_green
+
+from epd_flask.control.roster import Instance
+from epd_flask.core import events
+from epd_flask.fleet import policies
+from epd_flask.fleet.kvaware import KVAware, tokenize_request
+from epd_flask.fleet.kvcache import prompt_keys
+from epd_flask.fleet.kvevents import KVEvents
+from epd_flask.fleet.policies import Affinity, Decision
+from epd_flask.fleet.registry import Registry
+from epd_flask.fleet.routing import Router, serving
+from epd_flask.upstream.transport import Transport
+from tests.helpers import eventually, free_port
+from tests.unit.test_kvcache import BLOCK, Engine, batch, stored
+
+PROMPT = list(range(1000, 1000 + 6 * BLOCK))
+
+
+class Publisher:
+    """vLLM's side of the socket: a bound PUB sending (topic, seq, payload) messages."""
+
+    def __init__(self) -> None:
+        self.sock = zmq_green.Context.instance().socket(zmq.PUB)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.seq = 0
+        self.engine = Engine(port)
+
+    def send(self, payload: bytes, seq: int | None = None) -> None:
+        self.seq = self.seq if seq is None else seq
+        self.sock.send_multipart([b"kv", self.seq.to_bytes(8, "big"), payload])
+        self.seq += 1
+
+    def store(self, tokens: list[int]) -> None:
+        self.send(batch(*self.engine.store(tokens)))
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+@pytest.fixture
+def publishers() -> Iterator[list[Publisher]]:
+    started: list[Publisher] = []
+    yield started
+    for p in started:
+        p.close()
+
+
+class Heard:
+    def __init__(self) -> None:
+        self.counts: dict[tuple[str, str], int] = {}
+
+    def __call__(self, url: str, kind: str, n: int) -> None:
+        self.counts[(url, kind)] = self.counts.get((url, kind), 0) + n
+
+
+@pytest.fixture
+def heard() -> Iterator[Heard]:
+    listener = Heard()
+    events.kv_events.add_listener(listener)
+    yield listener
+    events.kv_events.remove_listener(listener)
+
+
+class Settings:
+    routing = {"prefill": "kv_aware"}
+    routing_load_factor = 1.25
+    kv_tokenize_timeout = 0.5
+
+
+def fleet(publishers: list[Publisher], n: int) -> tuple[Registry, KVEvents, Router]:
+    instances = []
+    for _i in range(n):
+        pub = Publisher()
+        publishers.append(pub)
+        # Nobody listens at these URLs: a /tokenize call is refused at once.
+        instances.append(Instance(role="prefill", url=f"http://127.0.0.1:{free_port()}",
+                                  kv_events=pub.endpoint))
+    registry = Registry(instances)
+    kv = KVEvents(registry)
+    router = Router(registry, settings=lambda: Settings(),
+                    kv=KVAware(kv, Transport(), lambda: 0.5))
+    return registry, kv, router
+
+
+def connected(kv: KVEvents, count: int) -> bool:
+    return len(kv.readers) == count and all(r.connected for r in kv.readers.values())
+
+
+def publish_until_ready(kv: KVEvents, pub: Publisher, url: str, tokens: list[int]) -> None:
+    """A SUB socket misses what is sent before its subscription reaches the publisher (ZMQ's
+    slow joiner): send until the picture has it, as vLLM does with every new prompt."""
+    def seen() -> bool:
+        picture = kv.picture(url)
+        return picture is not None and len(picture) > 0
+    for _ in range(50):
+        pub.engine.hashes.clear()
+        pub.store(tokens)
+        if eventually(seen, 0.1):
+            return
+    raise AssertionError("the reader never heard the publisher")
+
+
+def matched(kv: KVEvents, url: str, tokens: list[int]) -> int:
+    picture = kv.picture(url)
+    return 0 if picture is None else picture.matched(prompt_keys(tokens, BLOCK))
+
+
+def route(router: Router, body: dict[str, Any]) -> tuple[Instance, list[str]]:
+    with serving(Affinity(prefix=b"conversation", body=body)) as aff:
+        chosen = router.pick("prefill")
+    return chosen, aff.decisions
+
+
+def test_kv_choice_most_blocks_under_the_load_bound_ties_to_the_prefix_choice() -> None:
+    a, b, c = (Instance(role="prefill", url=f"http://10.0.0.{i}:1") for i in (1, 2, 3))
+    prefix = Decision(a, policies.KV_AWARE, policies.HIT, "hit")
+    loads = {a.url: 0, b.url: 0, c.url: 0}
+
+    def choose(matched: dict[str, int]) -> Decision:
+        return policies.kv_choice([a, b, c], matched, 10, lambda i: loads[i.url], 1.25, prefix)
+
+    got = choose({b.url: 7, c.url: 3})
+    assert (got.instance, got.outcome, got.why) == (b, "kvhit", "blocks=7/10,load=0")
+    assert choose({a.url: 4, b.url: 4}).instance == a  # a tie: the prefix choice
+    assert choose({b.url: 4, c.url: 4}).instance == b  # then the first in rendezvous order
+    got = choose({})
+    assert (got.instance, got.outcome, got.why) == (a, "kvmiss", "blocks=0/10,hit")
+    loads[b.url] = 5  # over ceil(1.25 * 6 / 3) = 3: spills to the next best holder
+    got = choose({b.url: 7, c.url: 3})
+    assert (got.instance, got.why) == (c, "blocks=3/10,load=0")
+
+
+def test_kv_aware_routes_to_the_instance_holding_the_prompt_and_logs_why(
+        publishers: list[Publisher], heard: Heard) -> None:
+    registry, kv, router = fleet(publishers, 3)
+    kv.start()
+    try:
+        assert eventually(lambda: connected(kv, 3))
+        holder = registry.instances()[2]
+        publish_until_ready(kv, publishers[2], holder.url, PROMPT[:4 * BLOCK])
+        chosen, why = route(router, {"model": "m", "prompt": PROMPT})
+        assert chosen == holder
+        assert why == ["prefill:kv_aware(blocks=4/6,load=0)"]
+        assert heard.counts[(holder.url, "stored")] >= 1
+        # A prompt no instance holds: the prefix choice, saying so.
+        chosen, why = route(router, {"model": "m", "prompt": [7] * (3 * BLOCK)})
+        assert why[0].startswith("prefill:kv_aware(blocks=0/3,")
+    finally:
+        kv.stop()
+
+
+def test_garbage_and_gaps_are_counted_warned_about_once_and_tolerated(
+        publishers: list[Publisher], heard: Heard, caplog: pytest.LogCaptureFixture) -> None:
+    registry, kv, router = fleet(publishers, 1)
+    url = registry.instances()[0].url
+    pub = publishers[0]
+    kv.start()
+    try:
+        assert eventually(lambda: connected(kv, 1))
+        publish_until_ready(kv, pub, url, PROMPT[:2 * BLOCK])
+        with caplog.at_level(logging.WARNING, logger="epd_flask.fleet.kvevents"):
+            for _ in range(3):
+                pub.send(b"\xc1 not msgpack")
+            pub.sock.send_multipart([b"kv", b"short"])
+            pub.send(batch(stored([1], None, [9] * BLOCK)), seq=pub.seq + 5)  # 5 lost
+            pub.store(PROMPT)
+            assert eventually(lambda: heard.counts.get((url, "gap"), 0) >= 1)
+            assert eventually(lambda: matched(kv, url, PROMPT) == 6)
+        assert heard.counts[(url, "malformed")] == 4
+        warnings = [r for r in caplog.records if "not vLLM's KV-event format" in r.message]
+        assert len(warnings) == 1
+        _chosen, why = route(router, {"model": "m", "prompt": PROMPT})
+        assert why == ["prefill:kv_aware(blocks=6/6,load=0)"]
+    finally:
+        kv.stop()
+
+
+def test_a_dead_endpoint_warns_once_and_routes_by_prefix(
+        caplog: pytest.LogCaptureFixture) -> None:
+    dead = Publisher()
+    endpoint = dead.endpoint
+    dead.close()  # nobody listens there now
+    inst = Instance(role="prefill", url="http://10.0.0.1:8100", kv_events=endpoint)
+    registry = Registry([inst, Instance(role="prefill", url="http://10.0.0.2:8100")])
+    kv = KVEvents(registry)
+    router = Router(registry, settings=lambda: Settings(),
+                    kv=KVAware(kv, Transport(), lambda: 0.5))
+    with caplog.at_level(logging.WARNING, logger="epd_flask.fleet.kvevents"):
+        kv.start()
+        try:
+            assert eventually(lambda: any("is not reachable" in r.message
+                                          for r in caplog.records))
+            gevent.sleep(0.5)  # ZMQ keeps retrying: still one warning
+            _chosen, why = route(router, {"model": "m", "prompt": PROMPT})
+        finally:
+            kv.stop()
+    assert len([r for r in caplog.records if "is not reachable" in r.message]) == 1
+    assert why[0].startswith("prefill:kv_aware(noevents,")
+
+
+def test_readers_follow_the_roster_and_evictions_drop_the_picture(
+        publishers: list[Publisher]) -> None:
+    registry, kv, _ = fleet(publishers, 2)
+    first, second = registry.instances()
+    kv.sync()
+    try:
+        assert eventually(lambda: connected(kv, 2))
+        publish_until_ready(kv, publishers[0], first.url, PROMPT)
+        kept = kv.readers[first.url]
+        # A roster change that keeps the first instance keeps its reader and its picture.
+        registry.replace([first])
+        kv.sync()
+        assert kv.readers == {first.url: kept} and kv.picture(first.url) is not None
+        # Evicted: reader and picture gone; back: a new reader starts from nothing.
+        for _ in range(registry.fail_threshold):
+            registry.record_failure(first.url, "down")
+        kv.sync()
+        assert kv.readers == {} and kv.picture(first.url) is None
+        registry.record_success(first.url)
+        kv.sync()
+        assert kv.readers[first.url] is not kept and kv.picture(first.url) is None
+    finally:
+        kv.stop()
+    assert second.url not in kv.readers
+
+
+def test_tokenize_request_asks_for_what_the_prefill_will_see() -> None:
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+            "chat_template_kwargs": {"x": 1}, "max_tokens": 3}
+    assert tokenize_request(chat) == {"model": "m", "messages": chat["messages"],
+                                      "chat_template_kwargs": {"x": 1}}
+    assert tokenize_request({"model": "m", "prompt": "hello"}) == {"model": "m",
+                                                                   "prompt": "hello"}
+    assert tokenize_request({"model": "m", "prompt": [1, 2, 3]}) == [1, 2, 3]
+    assert tokenize_request({"model": "m", "prompt": ["a", "b"]}) is None  # a batch
+    image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+    assert tokenize_request({"model": "m", "messages": [image]}) is None
+
+
+def test_a_tokenize_failure_routes_by_prefix(publishers: list[Publisher]) -> None:
+    """An instance that cannot be reached for /tokenize: the prefix choice, no error."""
+    registry, kv, router = fleet(publishers, 2)
+    kv.sync()
+    try:
+        assert eventually(lambda: connected(kv, 2))
+        publish_until_ready(kv, publishers[0], registry.instances()[0].url, PROMPT)
+        _chosen, why = route(router, {"model": "m", "prompt": "some text"})
+        assert why[0].startswith("prefill:kv_aware(notokens,")
+    finally:
+        kv.stop()
