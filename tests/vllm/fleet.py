@@ -144,6 +144,8 @@ class VllmServer:
     role: str
     side_channel_port: int | None = None
     bootstrap_port: int | None = None
+    #: Where it publishes KV-cache events (``--kv-events-config``), if it does.
+    kv_events_port: int | None = None
 
     @property
     def url(self) -> str:
@@ -298,12 +300,39 @@ def _models() -> list[VllmServer]:
     return servers
 
 
+#: Prefix caching on (and reported per request), KV-cache events on a ZMQ PUB socket.
+def kv_events_args(port: int) -> tuple[str, ...]:
+    return ("--enable-prefix-caching", "--enable-prompt-tokens-details",
+            "--kv-events-config", json.dumps({
+                "enable_kv_cache_events": True, "publisher": "zmq",
+                "endpoint": f"tcp://*:{port}", "topic": "kv"}))
+
+
+def _kv() -> list[VllmServer]:
+    """Two NIXL prefills that publish KV-cache events, and one decode: kv_aware routing's
+    fleet. Three servers on two cores (~4.5 GB)."""
+    servers = []
+    for name, role, kv_role, core in (("prefill-a", "prefill", "kv_producer", 0),
+                                      ("prefill-b", "prefill", "kv_producer", 1),
+                                      ("decode", "decode", "kv_consumer", 0)):
+        side = vllm_port()
+        events = vllm_port() if role == "prefill" else None
+        servers.append(start_vllm(
+            f"kv-{name}", role, core,
+            args=("--kv-transfer-config", kv_config("NixlConnector", kv_role),
+                  *(kv_events_args(events) if events else ())),
+            env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(side)}, side_channel_port=side,
+            **({"kv_events_port": events} if events else {})))
+    return servers
+
+
 TOPOLOGIES: dict[str, Callable[[], list[VllmServer]]] = {
     "nixl": _nixl,
     "mooncake": _mooncake,
     "example": _example,
     "encoder": _encoder,
     "models": _models,
+    "kv": _kv,
 }
 
 
