@@ -7,6 +7,7 @@ import itertools
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -225,3 +226,52 @@ def test_admin_api_over_a_read_only_roster_refuses_to_start(tmp_path) -> None:
                 proc.wait(timeout=30)
     finally:
         _writable(folder)
+
+
+def _dechunk(body: bytes) -> bytes:
+    out, pos = bytearray(), 0
+    while True:
+        line_end = body.index(b"\r\n", pos)
+        size = int(body[pos:line_end], 16)
+        if size == 0:
+            return bytes(out)
+        out += body[line_end + 2:line_end + 2 + size]
+        assert body[line_end + 2 + size:line_end + 4 + size] == b"\r\n"
+        pos = line_end + 4 + size
+
+
+def test_a_client_that_stops_reading_gets_the_whole_stream_after(procs) -> None:
+    """The worker's writes (one plain send per event, gevent's sendall for what a full
+    buffer leaves) deliver every event whole and in order to a client whose receive window
+    is tiny and who reads nothing for a second while ~3 MB are produced: more than the
+    socket buffers take, so a send comes back short and gevent's sendall waits for the rest."""
+    tokens = 2000
+    p = procs["sim"]("prefill", "--max-model-len", "4096")
+    d = procs["sim"]("decode", "--max-model-len", "4096", "--output-tokens", str(tokens))
+    gw = procs["gunicorn"](roster(p, d))
+    body = {**CHAT, "max_tokens": tokens, "stream": True, "logprobs": True, "top_logprobs": 20}
+    reference = requests.post(gw.url + "/v1/chat/completions", json=body, timeout=30)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(30)
+    sock.connect(("127.0.0.1", int(gw.url.rsplit(":", 1)[1])))
+    payload = json.dumps(body).encode()
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                 % (len(payload), payload))
+    time.sleep(1.0)
+    raw = b""
+    while data := sock.recv(65536):
+        raw += data
+    sock.close()
+    head, _, chunked = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding: chunked" in head.lower()
+    events = _dechunk(chunked).split(b"\n\n")
+    assert events.pop() == b"" and events.pop() == b"data: [DONE]"
+    texts = [json.loads(e[6:])["choices"][0]["delta"].get("content", "") for e in events
+             if json.loads(e[6:])["choices"]]
+    want = [json.loads(e[6:])["choices"][0]["delta"].get("content", "")
+            for e in reference.content.split(b"\n\n")
+            if e.startswith(b"data: {") and json.loads(e[6:])["choices"]]
+    assert len(raw) > 3_000_000
+    assert texts == want and len(texts) >= tokens

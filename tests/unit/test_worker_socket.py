@@ -1,0 +1,135 @@
+"""The worker's client sockets write a stream's events with one plain ``send`` each, and are
+otherwise gevent's: bytes whole and in order past a full buffer, the socket timeout, the
+errors of a departed peer."""
+
+from __future__ import annotations
+
+import os
+import socket
+import ssl
+from typing import Any
+
+import gevent
+import gevent.socket
+import gevent.ssl
+import pytest
+from gunicorn.workers.ggevent import GeventWorker as StockGeventWorker
+
+from epd_flask.web import worker
+
+EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"tok "}}]}\n\n'
+
+
+class _Asks:
+    """Counts the ``getsockopt`` calls gevent's ``sendall`` makes (one per call)."""
+
+    __slots__ = ()
+    calls: list[tuple[Any, ...]] = []
+
+    def getsockopt(self, *args: Any) -> Any:
+        self.calls.append(args)
+        return super().getsockopt(*args)  # type: ignore[misc]
+
+
+class _CountingStock(_Asks, gevent.socket.socket):
+    __slots__ = ()
+
+
+class _CountingLean(_Asks, worker.LeanSendSocket):
+    __slots__ = ()
+
+
+def _pair(cls: type | None = None, sndbuf: int | None = None) -> tuple[Any, Any]:
+    a, b = gevent.socket.socketpair()
+    if sndbuf is not None:
+        a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
+        b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, sndbuf)
+    worker.lean_client_socket(a)
+    if cls is not None:
+        a.__class__ = cls
+    return a, b
+
+
+def test_an_event_is_sent_without_asking_the_kernel_for_the_buffer_size() -> None:
+    for cls, asks in ((_CountingStock, 10), (_CountingLean, 0)):
+        _Asks.calls = []
+        a, b = _pair(cls)
+        for _ in range(10):
+            a.sendall(EVENT)
+        assert b.recv(65536) == EVENT * 10
+        assert len(_Asks.calls) == asks, cls
+        a.close()
+        b.close()
+
+
+def test_more_than_the_buffers_hold_arrives_whole_and_in_order() -> None:
+    a, b = _pair(sndbuf=4096)
+    assert type(a) is worker.LeanSendSocket
+    data = os.urandom(2 * 1024 * 1024)
+    got = bytearray()
+
+    def read() -> None:
+        while len(got) < len(data) * 3:
+            piece = b.recv(16384)
+            if not piece:
+                break
+            got.extend(piece)
+            gevent.sleep(0)
+
+    reader = gevent.spawn(read)
+    a.sendall(data)
+    a.sendall(bytearray(data))  # not bytes: gevent's own sendall, unchanged
+    a.sendall(memoryview(data))
+    reader.join(timeout=20)
+    assert bytes(got) == data * 3
+
+
+def test_the_socket_timeout_still_bounds_a_send_the_peer_never_reads() -> None:
+    a, b = _pair(sndbuf=4096)
+    a.settimeout(0.2)
+    with pytest.raises(TimeoutError):
+        a.sendall(b"x" * (8 * 1024 * 1024))
+    a.close()
+    b.close()
+
+
+def test_a_departed_peer_raises_what_gevent_raises() -> None:
+    raised = []
+    for lean in (False, True):
+        a, b = gevent.socket.socketpair()
+        if lean:
+            worker.lean_client_socket(a)
+        b.close()
+        with pytest.raises(OSError) as info:
+            a.sendall(EVENT)
+        raised.append(type(info.value))
+        a.close()
+        with pytest.raises(OSError) as info:
+            a.sendall(EVENT)
+        raised.append(type(info.value))
+    assert raised[:2] == raised[2:]
+    assert raised[0] is BrokenPipeError
+
+
+def test_only_plain_sockets_are_made_lean() -> None:
+    a, b = gevent.socket.socketpair()
+    ctx = ssl.create_default_context()
+    wrapped = ctx.wrap_socket(a, do_handshake_on_connect=False, server_hostname="localhost")
+    assert isinstance(wrapped, gevent.ssl.SSLSocket)
+    worker.lean_client_socket(wrapped)
+    assert type(wrapped) is gevent.ssl.SSLSocket
+    wrapped.close()
+    b.close()
+
+
+def test_the_worker_hands_gunicorn_a_lean_client_socket(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[type] = []
+    monkeypatch.setattr(StockGeventWorker, "handle",
+                        lambda self, listener, client, addr: seen.append(type(client)))
+    w = worker.GeventWorker.__new__(worker.GeventWorker)
+    w._connections = {}  # type: ignore[assignment]
+    a, b = gevent.socket.socketpair()
+    w.handle(None, a, ("127.0.0.1", 1))
+    assert seen == [worker.LeanSendSocket]
+    a.close()
+    b.close()
