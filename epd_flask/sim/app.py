@@ -168,6 +168,28 @@ class SimApp:
             if not handed_off:
                 state.leave(request_id)
 
+    def tokenize(self, environ: dict[str, Any], start_response: StartResponse) -> WSGIResult:
+        """vLLM's ``POST /tokenize``: the very token ids the sim's prefix cache (and its KV
+        events) use for that prompt or conversation."""
+        try:
+            body = validate.parse_body(read_body(environ), environ.get("CONTENT_TYPE", ""))
+            self._note(environ, validate.TOKENIZE_PATH, body)
+            cfg = self.state.config
+            prompt, want_strs = validate.parse_tokenize(body, cfg.model, self.state.adapters)
+        except errors.SimError as exc:
+            return self._error(start_response, exc)
+        ids = textgen.token_ids(prompt)
+        return json_response(start_response, 200, {
+            "count": len(ids), "max_model_len": cfg.max_model_len, "tokens": ids,
+            "token_strs": textgen.token_strs(prompt) if want_strs else None})
+
+    def kv_event_sources(self, environ: dict[str, Any],
+                         start_response: StartResponse) -> WSGIResult:
+        """vLLM's ``GET /kv_event_sources``: where each DP rank publishes its KV events ({}
+        when events are off)."""
+        self._note(environ, "/kv_event_sources", None)
+        return json_response(start_response, 200, self.state.kv_event_sources())
+
     def profile(self, environ: dict[str, Any], start_response: StartResponse) -> WSGIResult:
         """vLLM's profiler switch: 200 with an empty body, or 404 when no profiler is set up."""
         path = environ["PATH_INFO"]
@@ -359,6 +381,8 @@ ROUTES: dict[str, dict[str, Handler]] = {
     "/v1/unload_lora_adapter": {"POST": SimApp.unload_lora},
     validate.COMPLETIONS_PATH: {"POST": SimApp.completion},
     validate.CHAT_PATH: {"POST": SimApp.completion},
+    validate.TOKENIZE_PATH: {"POST": SimApp.tokenize},
+    "/kv_event_sources": {"GET": SimApp.kv_event_sources},
     "/start_profile": {"POST": SimApp.profile},
     "/stop_profile": {"POST": SimApp.profile},
     "/sim/stats": {"GET": SimApp.sim},

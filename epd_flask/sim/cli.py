@@ -10,6 +10,7 @@ import sys
 import gevent
 
 from .config import DEFAULT_KV_CACHE_BLOCKS, EC_METADATA_MODES, KV_CONNECTORS, ROLES, SimConfig
+from .kvcache import DEFAULT_BLOCK_SIZE
 from .server import SimServer
 
 logger = logging.getLogger(__name__)
@@ -45,7 +46,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cost model: milliseconds added to --token-delay-ms per other running "
                    "stream (default: %(default)s)")
     p.add_argument("--kv-cache-blocks", type=int, default=DEFAULT_KV_CACHE_BLOCKS,
-                   help="prefix cache size in 16-token blocks, LRU (default: %(default)s)")
+                   help="prefix cache size in blocks, LRU (default: %(default)s)")
+    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
+                   help="tokens per prefix-cache block, as vLLM's (default: %(default)s)")
+    p.add_argument("--kv-events-config", default=None,
+                   help="publish KV-cache events as vLLM does, e.g. '{\"enable_kv_cache_events\": "
+                   "true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5558\", \"topic\": "
+                   "\"kv\"}'; tcp://*:PORT binds (tcp://*:0: a free port, see GET "
+                   "/kv_event_sources), tcp://HOST:PORT connects (default: no events)")
     p.add_argument("--output-tokens", type=int, default=16,
                    help="tokens in a full answer; max_tokens cuts it (default: %(default)s)")
     p.add_argument("--secret", default="epd-sim",
@@ -102,7 +110,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         token_delay=args.token_delay_ms / MS, output_tokens=args.output_tokens,
         prefill_tokens_per_s=args.prefill_tokens_per_s,
         token_delay_per_stream=args.token_delay_per_stream_ms / MS,
-        kv_cache_blocks=args.kv_cache_blocks,
+        kv_cache_blocks=args.kv_cache_blocks, block_size=args.block_size,
+        kv_events_config=args.kv_events_config,
         secret=args.secret, engine_id=args.engine_id, dp_size=args.dp_size,
         bootstrap_port=args.bootstrap_port, record_limit=args.record_limit,
         ec_metadata=args.ec_metadata, kv_timeout=args.kv_timeout_ms / MS,
@@ -126,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     server.state.inject(fail_next=args.fail_next, health_fail=args.health_fail)
     try:
         server.start()
-    except OSError as exc:
+    except (OSError, ValueError) as exc:
         print(f"epd-flask-sim: cannot listen: {exc}", file=sys.stderr)
         return 1
     print(f"epd-flask-sim {config.role} on {server.url}"

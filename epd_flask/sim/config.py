@@ -12,6 +12,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from . import kvevents
+from .kvcache import DEFAULT_BLOCK_SIZE
+
 ROLES = ("encode", "prefill", "decode", "prefill_decode")
 EC_METADATA_MODES = ("grid", "empty")
 #: NIXL (prefill answers handles), Mooncake (the router makes them), Example (shared files:
@@ -28,9 +31,9 @@ DEFAULT_KEEPALIVE_TIMEOUT = 5.0
 LIVE_KNOBS = frozenset(
     {"ttft", "token_delay", "output_tokens", "max_model_len", "ec_metadata", "model",
      "record_health", "kv_timeout", "prefill_tokens_per_s", "token_delay_per_stream",
-     "kv_cache_blocks"}
+     "kv_cache_blocks", "block_size", "kv_events_config"}
 )
-#: The prefix cache's default size in 16-token blocks: thousands of distinct prompts.
+#: The prefix cache's default size in blocks: thousands of distinct prompts.
 DEFAULT_KV_CACHE_BLOCKS = 65536
 
 
@@ -80,8 +83,13 @@ class SimConfig:
     prefill_tokens_per_s: float = 0.0
     # With the cost model: added to token_delay for each other stream running.
     token_delay_per_stream: float = 0.0
-    # The prefix cache's capacity in 16-token blocks, least recently used evicted first.
+    # The prefix cache's capacity in blocks, least recently used evicted first.
     kv_cache_blocks: int = DEFAULT_KV_CACHE_BLOCKS
+    # Tokens per prefix-cache block (vLLM's --block-size); KV events carry blocks this long.
+    block_size: int = DEFAULT_BLOCK_SIZE
+    # vLLM's --kv-events-config (JSON text or object); None, or events disabled: no events.
+    # Kept completed with vLLM's defaults (kvevents.parse_config).
+    kv_events_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -139,8 +147,10 @@ def coerce_knob(name: str, value: Any) -> Any:
         return _non_negative_float(name, value)
     if name == "output_tokens":
         return _int_at_least(name, value, 0)
-    if name == "kv_cache_blocks":
+    if name in ("kv_cache_blocks", "block_size"):
         return _int_at_least(name, value, 1)
+    if name == "kv_events_config":
+        return kvevents.parse_config(value)
     if name == "max_model_len":
         return _int_at_least(name, value, 1)
     if name == "ec_metadata":

@@ -13,7 +13,8 @@ With ``prefill_tokens_per_s`` > 0 the server behaves like one vLLM engine under 
 - a decode that got no KV handles (selective disaggregation, a failed prefill) computes the
   prompt itself, through its own prefix cache and budget; with valid handles its first token
   is one decode step.
-``kv_cache_blocks`` bounds each server's prefix cache (16-token blocks, LRU eviction).
+``kv_cache_blocks`` bounds each server's prefix cache (blocks of ``block_size`` tokens, LRU
+eviction).
 Realistic figures and their sources are in docs/benchmarks.md.
 """
 

@@ -1,59 +1,126 @@
-"""A prefill's memory of what it has computed: a prefix cache of 16-token blocks (so a repeated
-prompt prefix shows up as ``remote_prefill_cached_tokens``) and the block ids it hands out.
+"""A prefill's memory of what it has computed: vLLM's automatic prefix caching over the sim's
+token ids (chained hashes of ``block_size``-token blocks, bounded, least recently used first
+out), the KV-cache events that memory makes (kvevents.py), and the block ids it hands out.
 """
 
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections import OrderedDict
+from typing import Any
 
-from .handles import BLOCK_TOKENS
-from .textgen import BYTES_PER_TOKEN
+from . import kvevents, textgen
 
-BLOCK_BYTES = BLOCK_TOKENS * BYTES_PER_TOKEN
+#: vLLM's default block size on GPU; its CPU build needs a multiple of 32.
+DEFAULT_BLOCK_SIZE = 16
 #: Enough blocks for thousands of distinct prompts; the oldest are forgotten first.
 MAX_CACHED_BLOCKS = 65536  # the default; SimConfig.kv_cache_blocks sets it
 MAX_BLOCK_ID = 1 << 20
 
 
+def block_hashes(token_ids: list[int], block_size: int) -> list[int]:
+    """The chained 64-bit hashes of the full blocks of ``token_ids``: each covers its block's
+    ids and, through its parent's hash, everything before them, as vLLM's block hashes do."""
+    hashes = []
+    parent = b"\0" * 8
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        block = token_ids[start:start + block_size]
+        parent = hashlib.blake2b(parent + struct.pack(f"<{block_size}I", *block),
+                                 digest_size=8).digest()
+        hashes.append(int.from_bytes(parent, "big"))
+    return hashes
+
+
 class PrefixCache:
-    """Chained block hashes like vLLM's automatic prefix caching, bounded LRU."""
+    """Blocks by chained hash, bounded LRU; with ``recording`` on, what changes is kept as vLLM
+    KV events until ``take_events``.
 
-    def __init__(self, capacity: int = MAX_CACHED_BLOCKS) -> None:
+    A request's blocks are touched last to first, so its first block is the most recent: as
+    vLLM frees a request's blocks tail first, an old conversation loses its tail before its
+    head and what is cached is always a whole prefix of some prompt.
+    """
+
+    def __init__(self, capacity: int = MAX_CACHED_BLOCKS,
+                 block_size: int = DEFAULT_BLOCK_SIZE) -> None:
         self._capacity = capacity
-        self._blocks: OrderedDict[bytes, None] = OrderedDict()
+        self.block_size = block_size
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+        self.recording = False
+        self._events: list[dict[str, Any]] = []
 
-    def lookup_and_insert(self, prompt_text: str, num_tokens: int) -> int:
-        """Tokens of the prompt already cached (a multiple of 16), then remember all its blocks.
+    def lookup_and_insert(self, prompt_text: str, num_tokens: int | None = None) -> int:
+        """Tokens of the prompt already cached, then remember all its blocks (see ``insert``);
+        ``num_tokens`` is the prompt's token count, the length of its token ids."""
+        return self.insert(textgen.token_ids(prompt_text))
+
+    def insert(self, token_ids: list[int]) -> int:
+        """Tokens already cached (a multiple of the block size), then cache all full blocks.
 
         As in vLLM, the last token is always computed, so a fully cached prompt reports one
         block less.
         """
-        data = prompt_text.encode("utf-8", "surrogatepass")
-        digest = b""
+        size = self.block_size
+        hashes = block_hashes(token_ids, size)
+        blocks = self._blocks
         hits = 0
-        missed = False
-        for start in range(0, len(data) - BLOCK_BYTES + 1, BLOCK_BYTES):
-            digest = hashlib.blake2b(digest + data[start:start + BLOCK_BYTES],
-                                     digest_size=16).digest()
-            if not missed and digest in self._blocks:
-                hits += 1
-                self._blocks.move_to_end(digest)
+        while hits < len(hashes) and hashes[hits] in blocks:
+            hits += 1
+        if self.recording:
+            self._record_stored(hashes, token_ids, blocks)
+        for h in reversed(hashes):
+            if h in blocks:
+                blocks.move_to_end(h)
             else:
-                missed = True
-                self._blocks[digest] = None
-        while len(self._blocks) > self._capacity:
-            self._blocks.popitem(last=False)
-        cached = hits * BLOCK_TOKENS
-        return min(cached, ((num_tokens - 1) // BLOCK_TOKENS) * BLOCK_TOKENS)
+                blocks[h] = None
+        self._evict()
+        cached = hits * size
+        return min(cached, ((len(token_ids) - 1) // size) * size)
+
+    def _record_stored(self, hashes: list[int], token_ids: list[int],
+                       blocks: OrderedDict[int, None]) -> None:
+        """One BlockStored per run of new blocks (one run, unless a chain lost a middle)."""
+        size = self.block_size
+        run: list[int] = []
+        for i, h in enumerate(hashes):
+            if h not in blocks:
+                run.append(i)
+                if i + 1 < len(hashes) and hashes[i + 1] not in blocks:
+                    continue
+                first = run[0]
+                self._events.append(kvevents.block_stored(
+                    [hashes[j] for j in run], hashes[first - 1] if first else None,
+                    token_ids[first * size:(i + 1) * size], size))
+                run = []
+
+    def _evict(self) -> None:
+        blocks = self._blocks
+        while len(blocks) > self._capacity:
+            evicted, _ = blocks.popitem(last=False)
+            if self.recording:
+                self._events.append(kvevents.block_removed(evicted))
+
+    def take_events(self) -> list[dict[str, Any]]:
+        events, self._events = self._events, []
+        return events
 
     def resize(self, capacity: int) -> None:
         self._capacity = capacity
-        while len(self._blocks) > self._capacity:
-            self._blocks.popitem(last=False)
+        self._evict()
+
+    def set_block_size(self, block_size: int) -> None:
+        """A new block size makes every cached hash meaningless: the cache starts over."""
+        if block_size != self.block_size:
+            self.block_size = block_size
+            self.clear()
 
     def clear(self) -> None:
         self._blocks.clear()
+        if self.recording:
+            self._events = [kvevents.all_blocks_cleared()]
+
+    def __len__(self) -> int:
+        return len(self._blocks)
 
 
 class BlockAllocator:

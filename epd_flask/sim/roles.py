@@ -61,18 +61,19 @@ def _generate(req: Request, n: int, finish: str, request_id: str) -> Answer:
 
 def _cached(req: Request, state: SimState) -> list[int]:
     """Each prompt's tokens the prefix cache answers; the prompt's blocks are cached after."""
-    cached = [state.prefix_cache.lookup_and_insert(p, t)
-              for p, t in zip(req.prompts, req.prompt_tokens, strict=True)]
+    cached = [state.prefix_cache.lookup_and_insert(p) for p in req.prompts]
+    state.publish_kv_events()
     state.count("prefix_cached_tokens", sum(cached))
     state.count("prefix_computed_tokens", req.total_prompt_tokens - sum(cached))
     return cached
 
 
 def _computing(req: Request, state: SimState, request_id: str) -> Answer:
-    """A server that computes the prompt itself under the cost model (a combined instance, a
-    decode with no KV to pull): its own prefix cache answers what it can."""
+    """A server that computes the prompt itself (a combined instance, a decode with no KV to
+    pull): under the cost model, or publishing KV events, its own prefix cache answers what it
+    can."""
     answer = _generate(req, *_token_budget(req, state), request_id)
-    if state.config.prefill_tokens_per_s > 0:
+    if state.config.prefill_tokens_per_s > 0 or state.prefix_cache.recording:
         answer.cached_tokens = sum(_cached(req, state))
     return answer
 

@@ -132,6 +132,7 @@ class SimServer:
 
     def start(self) -> SimServer:
         cfg = self.config
+        self.state.open_kv_events()
         self._server = _wsgi_server(cfg.host, cfg.port, SimApp(self.state), "api", self.state)
         self._server.start()
         if cfg.bootstrap_port is not None and cfg.role == "prefill":
@@ -174,6 +175,7 @@ class SimServer:
                 # Clients see EOF at once; hangs and paced streams notice and end.
                 server.close_connections()
                 server.stop(timeout=STOP_GRACE_SECONDS)
+        self.state.close_kv_events()
         self._stopped.set()
         gevent.sleep(0)  # let killed handlers run their cleanup before we return
 

@@ -12,6 +12,7 @@ import uuid
 from collections import Counter, deque
 from typing import Any
 
+from . import kvevents
 from .config import LIVE_KNOBS, SimConfig, coerce_knob
 from .costmodel import EngineClock
 from .kvcache import BlockAllocator, PrefixCache
@@ -58,6 +59,8 @@ COUNTERS = (
     "keepalive_closes",
     "profiles_started",
     "profiles_stopped",
+    "kv_event_batches_published",
+    "kv_event_batches_dropped",
 )
 FAULTS = ("fail_next", "fail_status", "drop_after", "hang_next", "health_fail")
 
@@ -77,7 +80,10 @@ class SimState:
         self.rank_engine_ids = [self.engine_id] + [
             str(uuid.uuid4()) for _ in range(self.config.dp_size - 1)]
         self.started_at = time.time()
-        self.prefix_cache = PrefixCache(self.config.kv_cache_blocks)
+        self.prefix_cache = PrefixCache(self.config.kv_cache_blocks, self.config.block_size)
+        # Open only while the server serves (SimServer.start to stop), as vLLM's publisher.
+        self.kv_publisher: kvevents.Publisher | None = None
+        self._serving = False
         self.engine = EngineClock()
         self.blocks = BlockAllocator()
         self.transfers = TransferBook()
@@ -113,10 +119,21 @@ class SimState:
                 raise ValueError(f"unknown or not live-changeable knob {name!r}; "
                                  f"live knobs: {', '.join(sorted(LIVE_KNOBS))}")
             checked[name] = coerce_knob(name, value)
+        events = checked.get("kv_events_config", self.config.kv_events_config)
+        if self._serving and events != self.config.kv_events_config:
+            self._switch_publisher(events, self.config.kv_events_config)
         for name, value in checked.items():
             setattr(self.config, name, value)
+        self.prefix_cache.set_block_size(self.config.block_size)
         self.prefix_cache.resize(self.config.kv_cache_blocks)
+        self.publish_kv_events()
         return self.config.as_dict()
+
+    def kv_event_sources(self) -> dict[str, Any]:
+        """vLLM's ``GET /kv_event_sources``: the publisher's configuration per DP rank."""
+        if self.kv_publisher is None:
+            return {}
+        return {"0": dict(self.kv_publisher.config)}
 
     def inject(self, **faults: Any) -> dict[str, Any]:
         """Arm faults (all or nothing). Counts replace, they do not add. Returns all faults."""
@@ -166,6 +183,40 @@ class SimState:
         self.engine.reset()
         self.blocks.reset()
         self.transfers.clear()
+        self.publish_kv_events()
+
+    def open_kv_events(self) -> None:
+        """The server starts serving: publish KV events if configured (ValueError if the
+        endpoint cannot be opened)."""
+        self._serving = True
+        self._switch_publisher(self.config.kv_events_config, None)
+
+    def close_kv_events(self) -> None:
+        self._serving = False
+        self._switch_publisher(None, None)
+
+    def _switch_publisher(self, config: dict[str, Any] | None,
+                          fallback: dict[str, Any] | None) -> None:
+        """Replace the publisher; if the new one cannot open, reopen ``fallback`` and raise."""
+        if self.kv_publisher is not None:
+            self.kv_publisher.close()
+            self.kv_publisher = None
+        try:
+            if config is not None:
+                self.kv_publisher = kvevents.Publisher(config, self.config.host)
+        except ValueError:
+            if fallback is not None:
+                self.kv_publisher = kvevents.Publisher(fallback, self.config.host)
+            raise
+        finally:
+            self.prefix_cache.recording = self.kv_publisher is not None
+
+    def publish_kv_events(self) -> None:
+        """Send what the prefix cache did since the last batch, as vLLM does per engine step."""
+        events = self.prefix_cache.take_events()
+        if events and self.kv_publisher is not None:
+            sent = self.kv_publisher.publish(events)
+            self.count("kv_event_batches_published" if sent else "kv_event_batches_dropped")
 
     # -- used by the app --------------------------------------------------------------------
 

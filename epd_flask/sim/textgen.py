@@ -10,9 +10,14 @@ from __future__ import annotations
 import hashlib
 import math
 import random
+import struct
 from typing import Any
 
 BYTES_PER_TOKEN = 4
+#: Token ids fall in [0, VOCAB_SIZE), a Llama-sized vocabulary.
+VOCAB_SIZE = 32000
+#: Knuth's multiplicative hash spreads neighbouring 4-byte pieces over the whole vocabulary.
+_SPREAD = 0x9E3779B1
 VOCAB = (
     "ulb", " ip", "sqn", " ao", "mw", " og", "nn", "aka", " pc", " giv", "oen", " jf", "arm",
     " the", " a", " of", "é", " café", "世", "界", " 世界", "ñ", " año", "ü", "→", " ✓", "ß",
@@ -33,6 +38,29 @@ MEDIA_PLACEHOLDERS = {
 def count_tokens(text: str) -> int:
     """Prompt tokens the way the sim counts them: about four UTF-8 bytes per token, at least one."""
     return max(1, math.ceil(len(text.encode("utf-8")) / BYTES_PER_TOKEN))
+
+
+def token_ids(text: str) -> list[int]:
+    """The sim's tokenizer: each 4-byte piece of the UTF-8 text is one token, its id a stable
+    hash of the piece, so ``len(token_ids(t)) == count_tokens(t)`` and the prefix cache, the
+    KV events and ``POST /tokenize`` all see the same ids. An empty text is one token (0),
+    as a real tokenizer's BOS keeps a prompt from being empty."""
+    data = text.encode("utf-8", "surrogatepass")
+    if not data:
+        return [0]
+    data += b"\0" * (-len(data) % BYTES_PER_TOKEN)
+    words = struct.unpack(f"<{len(data) // BYTES_PER_TOKEN}I", data)
+    return [(w * _SPREAD & 0xFFFFFFFF) % VOCAB_SIZE for w in words]
+
+
+def token_strs(text: str) -> list[str]:
+    """The text of each token ``token_ids`` makes (a piece that splits a character is shown
+    with replacement characters, as a byte-level tokenizer's pieces are)."""
+    data = text.encode("utf-8", "surrogatepass")
+    if not data:
+        return [""]
+    return [data[i:i + BYTES_PER_TOKEN].decode("utf-8", "replace")
+            for i in range(0, len(data), BYTES_PER_TOKEN)]
 
 
 def completion_prompt_text(prompt: Any) -> str:
@@ -60,7 +88,7 @@ def _content_text(content: Any) -> str:
     return "".join(parts)
 
 
-def render_chat(messages: list[Any]) -> str:
+def render_chat(messages: list[Any], add_generation_prompt: bool = True) -> str:
     """A ChatML rendering like the tiny model's template; per-message overhead comes with it."""
     out = []
     for message in messages:
@@ -68,7 +96,8 @@ def render_chat(messages: list[Any]) -> str:
             continue
         role = message.get("role", "user")
         out.append(f"<|im_start|>{role}\n{_content_text(message.get('content'))}<|im_end|>\n")
-    out.append("<|im_start|>assistant\n")
+    if add_generation_prompt:
+        out.append("<|im_start|>assistant\n")
     return "".join(out)
 
 

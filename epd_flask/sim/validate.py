@@ -14,6 +14,7 @@ from pydantic import TypeAdapter, ValidationError
 from . import errors, textgen
 
 CHAT_PATH = "/v1/chat/completions"
+TOKENIZE_PATH = "/tokenize"
 COMPLETIONS_PATH = "/v1/completions"
 JSON_CONTENT_TYPE = "application/json"
 
@@ -193,3 +194,28 @@ def parse_request(
         messages=messages,
         logprobs=logprobs,
     )
+
+
+def parse_tokenize(
+    body: dict[str, Any], served_model: str, adapters: Collection[str] = ()
+) -> tuple[str, bool]:
+    """``POST /tokenize``'s body (vLLM's TokenizeCompletionRequest or TokenizeChatRequest) as
+    (the prompt the sim would compute, rendered as a completion would render it; whether the
+    token texts are wanted)."""
+    if "messages" in body:
+        messages = _chat_messages(body)
+        add_generation_prompt = _lax(_BOOL, body, "add_generation_prompt")
+        prompt = textgen.render_chat(
+            messages, True if add_generation_prompt is None else add_generation_prompt)
+    elif "prompt" not in body:
+        raise errors.missing_field("prompt", body)
+    else:
+        prompt = body["prompt"]
+        if not isinstance(prompt, str):
+            raise errors.validation_error(
+                "string_type", "body.prompt", "Input should be a valid string", prompt)
+    want_strs = _optional_bool(body, "return_token_strs")
+    model = body.get("model")
+    if model and model != served_model and model not in adapters:
+        raise errors.model_not_found(str(model), served_model)
+    return prompt, want_strs
