@@ -6,7 +6,7 @@ out), the KV-cache events that memory makes (kvevents.py), and the block ids it 
 from __future__ import annotations
 
 import hashlib
-import struct
+import pickle
 from collections import OrderedDict
 from typing import Any
 
@@ -19,16 +19,23 @@ MAX_CACHED_BLOCKS = 65536  # the default; SimConfig.kv_cache_blocks sets it
 MAX_BLOCK_ID = 1 << 20
 
 
+#: vLLM's NONE_HASH, the parent of a first block: sha256 of the default seed (pickled) when
+#: PYTHONHASHSEED is unset (vllm/v1/core/kv_cache_utils.py, init_none_hash).
+NONE_HASH = hashlib.sha256(pickle.dumps("vllm-none-hash", protocol=5)).digest()
+MASK_64 = (1 << 64) - 1
+
+
 def block_hashes(token_ids: list[int], block_size: int) -> list[int]:
-    """The chained 64-bit hashes of the full blocks of ``token_ids``: each covers its block's
-    ids and, through its parent's hash, everything before them, as vLLM's block hashes do."""
+    """The hashes of the full blocks of ``token_ids`` exactly as vLLM 0.32 computes them with
+    its default ``--prefix-caching-hash-algo sha256`` (sha256 of the pickled ``(parent hash,
+    block's ids, extra keys)``) and publishes them (the low 64 bits, as an int), so a router
+    that rebuilds vLLM's hashes from a prompt's token ids finds the sim's blocks."""
     hashes = []
-    parent = b"\0" * 8
+    parent = NONE_HASH
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        block = token_ids[start:start + block_size]
-        parent = hashlib.blake2b(parent + struct.pack(f"<{block_size}I", *block),
-                                 digest_size=8).digest()
-        hashes.append(int.from_bytes(parent, "big"))
+        block = tuple(token_ids[start:start + block_size])
+        parent = hashlib.sha256(pickle.dumps((parent, block, None), protocol=5)).digest()
+        hashes.append(int.from_bytes(parent, "big") & MASK_64)
     return hashes
 
 

@@ -14,7 +14,7 @@ import zmq.green as zmq
 
 from epd_flask.sim import textgen
 from epd_flask.sim.cli import build_parser, config_from_args
-from epd_flask.sim.kvcache import PrefixCache
+from epd_flask.sim.kvcache import PrefixCache, block_hashes
 
 #: Every wait on the socket ends; the events of a request come in its own response's time.
 RECV_TIMEOUT_MS = 2000
@@ -277,3 +277,10 @@ def test_cli_takes_vllms_kv_events_flags() -> None:
     off = config_from_args(build_parser().parse_args([
         "--kv-events-config", '{"enable_kv_cache_events": false}']))
     assert off.kv_events_config is None
+
+
+def test_block_hashes_are_vllms_default_sha256_hashes() -> None:
+    """Computed with vLLM 0.32's own hash_block_tokens(sha256, ...) and maybe_convert_block_hash
+    (PYTHONHASHSEED unset): a router that rebuilds vLLM's hashes finds the sim's blocks."""
+    ids = [*range(40), 31999, 5, 70000]
+    assert block_hashes(ids, 16) == [3262291359910021016, 7142137847444424233]
