@@ -148,7 +148,8 @@ class Publisher:
         payload = encode_batch(events, time.time())
         seq = self._seq
         self._seq += 1
-        self._buffer.append((seq, payload))
+        if self._replay is not None:
+            self._buffer.append((seq, payload))
         try:
             self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload),
                                      flags=zmq.NOBLOCK)

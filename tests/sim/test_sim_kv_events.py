@@ -284,3 +284,30 @@ def test_block_hashes_are_vllms_default_sha256_hashes() -> None:
     (PYTHONHASHSEED unset): a router that rebuilds vLLM's hashes finds the sim's blocks."""
     ids = [*range(40), 31999, 5, 70000]
     assert block_hashes(ids, 16) == [3262291359910021016, 7142137847444424233]
+
+
+def test_replay_endpoint_resends_buffered_batches_as_vllm_does(start_sim) -> None:
+    """A subscriber that missed batches asks the ROUTER socket for everything from a sequence
+    number on (vLLM's replay protocol) and gets them, then an end marker of -1."""
+    sim = start_sim(role="prefill", max_model_len=4096,
+                    kv_events_config={**EVENTS_ON, "replay_endpoint": "tcp://*:0"})
+    for question in ("one", "two", "three"):
+        chat(sim.url, f"{question} " * 40)  # each fills blocks of its own: one batch each
+    replay = requests.get(sim.url + "/kv_event_sources", timeout=5).json()["0"][
+        "replay_endpoint"]
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    try:
+        dealer.connect(replay)
+        dealer.send_multipart([b"", (1).to_bytes(8, "big")])
+        seqs = []
+        for _ in range(10):
+            assert dealer.poll(RECV_TIMEOUT_MS), "the replay answer never came"
+            _, topic, seq, payload = dealer.recv_multipart()
+            if int.from_bytes(seq, "big", signed=True) == -1:
+                break
+            assert topic == b"kv" and msgpack.unpackb(payload)[1][0]["type"] == "BlockStored"
+            seqs.append(int.from_bytes(seq, "big"))
+        assert seqs == [1, 2]
+    finally:
+        dealer.close()
