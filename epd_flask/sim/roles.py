@@ -61,7 +61,10 @@ def _generate(req: Request, n: int, finish: str, request_id: str) -> Answer:
 
 def _cached(req: Request, state: SimState) -> list[int]:
     """Each prompt's tokens the prefix cache answers; the prompt's blocks are cached after."""
-    cached = [state.prefix_cache.lookup_and_insert(p) for p in req.prompts]
+    cache = state.prefix_cache
+    ids = req.prompt_ids or [None] * len(req.prompts)
+    cached = [cache.lookup_and_insert(p) if given is None else cache.insert(given)
+              for p, given in zip(req.prompts, ids, strict=True)]
     state.publish_kv_events()
     state.count("prefix_cached_tokens", sum(cached))
     state.count("prefix_computed_tokens", req.total_prompt_tokens - sum(cached))

@@ -66,7 +66,8 @@ def token_strs(text: str) -> list[str]:
 
 
 def completion_prompt_text(prompt: Any) -> str:
-    """One completion prompt (text or token ids) as the text the sim hashes and counts."""
+    """One completion prompt (text or token ids) as the text the sim counts and answers (its
+    prefix cache keeps given token ids as they are)."""
     if isinstance(prompt, str):
         return prompt
     # Token ids: one id is one token, so keep four bytes per id for the estimate.

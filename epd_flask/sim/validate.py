@@ -37,6 +37,9 @@ class Request:
     logprobs: int | None = None
     # The name the answer carries: a LoRA adapter's when one was asked for, else the base's.
     model: str = ""
+    # Per prompt, the token ids a completion was given instead of text (None for text): the
+    # prefix cache keeps those very ids, as vLLM does.
+    prompt_ids: list[list[int] | None] = field(default_factory=list)
 
     @property
     def total_prompt_tokens(self) -> int:
@@ -89,7 +92,7 @@ def _optional_dict(body: dict[str, Any], name: str) -> dict[str, Any] | None:
         "dict_type", f"body.{name}", "Input should be a valid dictionary", value)
 
 
-def _completion_prompts(body: dict[str, Any]) -> list[str]:
+def _completion_prompts(body: dict[str, Any]) -> list[str | list[int]]:
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         prompts: list[Any] = [prompt] if prompt else []
@@ -111,7 +114,7 @@ def _completion_prompts(body: dict[str, Any]) -> list[str]:
     if not prompts:
         raise errors.bad_request(
             "Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
-    return [textgen.completion_prompt_text(one) for one in prompts]
+    return prompts
 
 
 def _chat_messages(body: dict[str, Any]) -> list[Any]:
@@ -156,7 +159,8 @@ def parse_request(
     if model and model != served_model and model not in adapters:
         raise errors.model_not_found(str(model), served_model)
 
-    prompts = [textgen.render_chat(messages)] if chat else _completion_prompts(body)
+    raw = [textgen.render_chat(messages)] if chat else _completion_prompts(body)
+    prompts = [textgen.completion_prompt_text(one) for one in raw]
     prompt_tokens = [textgen.count_tokens(p) for p in prompts]
 
     if max_tokens is not None:
@@ -186,6 +190,7 @@ def parse_request(
         chat=chat,
         body=body,
         prompts=prompts,
+        prompt_ids=[one if isinstance(one, list) else None for one in raw],
         prompt_tokens=prompt_tokens,
         max_tokens=max_tokens,
         stream=stream,

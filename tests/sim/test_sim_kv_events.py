@@ -124,6 +124,23 @@ def test_stored_blocks_are_the_tokenized_chat_in_chained_blocks(start_sim) -> No
         sub.close()
 
 
+def test_a_prompt_of_token_ids_is_cached_as_those_ids(start_sim) -> None:
+    """vLLM caches the ids a completion was given; a router holding them matches directly."""
+    sim = start_sim(role="prefill", kv_events_config=EVENTS_ON, prompt_tokens_details=True)
+    sub = subscribe(sim.url)
+    try:
+        prompt = list(range(2000, 2040))
+        for _ in range(2):
+            done = requests.post(sim.url + "/v1/completions", timeout=5, json={
+                "model": "tiny-llama", "prompt": prompt, "max_tokens": 1}).json()
+        _, [stored] = sub.batch()
+        assert stored["token_ids"] == prompt[:32]
+        assert done["usage"]["prompt_tokens"] == 40
+        assert done["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
+    finally:
+        sub.close()
+
+
 def test_eviction_publishes_block_removed_tail_first(start_sim) -> None:
     sim = start_sim(role="prefill_decode", kv_events_config=EVENTS_ON, kv_cache_blocks=12,
                     max_model_len=4096)
