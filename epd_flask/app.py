@@ -34,6 +34,7 @@ from epd_flask.serving.pipeline import Pipeline
 from epd_flask.upstream.tls import TLSFiles
 from epd_flask.upstream.transport import Transport
 from epd_flask.web.edge import KeyRing
+from epd_flask.web.fastpath import FastPath
 from epd_flask.web.inflight import InFlight, InFlightMiddleware
 from epd_flask.web.services import EXTENSION, Services, services
 from epd_flask.web.shutdown import Drain
@@ -102,7 +103,7 @@ def create_app(config: ProxyConfig | None = None, roster: Roster | None = None) 
     metrics.install(config.state_dir)
     svc = app.extensions[EXTENSION] = build_services(config, roster, generation)
     app.wsgi_app = InFlightMiddleware(  # type: ignore[method-assign]
-        BodyDeadline(app.wsgi_app, config.body_timeout), svc.inflight)
+        BodyDeadline(FastPath(app, app.wsgi_app), config.body_timeout), svc.inflight)
 
     from epd_flask.web.admin import bp as admin_bp
     from epd_flask.web.api import bp

@@ -7,7 +7,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from flask import Blueprint, Response, request
+from flask import Blueprint, Request, Response, request
 from werkzeug.exceptions import HTTPException
 
 from epd_flask.control import settings
@@ -23,7 +23,7 @@ from epd_flask.serving.context import RequestContext
 from epd_flask.serving.legs import client_watch
 from epd_flask.serving.pipeline import Reply
 from epd_flask.web import edge, validation
-from epd_flask.web.services import services
+from epd_flask.web.services import Services, services
 
 bp = Blueprint("api", __name__)
 
@@ -33,46 +33,46 @@ JSON_TYPES = ("application/json", "")
 ADMIN_PATH = "/instances"
 
 
-def _context() -> RequestContext:
-    rid = request_id(request.headers.get(REQUEST_ID_HEADER))
+def _context(req: Request, svc: Services) -> RequestContext:
+    rid = request_id(req.headers.get(REQUEST_ID_HEADER))
     uid = new_upstream_id()
-    svc = services()
-    headers = upstream_headers(request.headers.items(), uid, svc.config.backend_api_key)
+    headers = upstream_headers(req.headers.items(), uid, svc.config.backend_api_key)
     if (svc.keys.enabled and not svc.config.backend_api_key) \
             or edge.is_key(headers.get("Authorization"), svc.config.admin_api_key):
         # The client's bearer was our serving key, or the admin key sent to the wrong path:
         # either stays at the edge.
         headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
-    ctx = RequestContext(rid, request.path, headers, upstream_id=uid)
-    ctx.client_gone = client_watch(request.environ)
+    ctx = RequestContext(rid, req.path, headers, upstream_id=uid)
+    ctx.client_gone = client_watch(req.environ)
     session_header = svc.roster.settings.session_header
     if session_header:
-        ctx.session = request.headers.get(session_header) or None
+        ctx.session = req.headers.get(session_header) or None
     return ctx
 
 
-def _authorize() -> None:
-    services().keys.check(request.headers.get("Authorization"))
+def _authorize(req: Request, svc: Services) -> None:
+    svc.keys.check(req.headers.get("Authorization"))
 
 
-def _body() -> bytes:
+def _body(req: Request, svc: Services) -> bytes:
     """The request body, decoded, within the size limit (413 before reading an oversized
     body whose length is declared; chunked bodies are cut off as they pass the limit)."""
-    limit = services().config.max_body_bytes
-    edge.check_length(request.content_length, limit)
+    limit = svc.config.max_body_bytes
+    length = req.content_length
+    edge.check_length(length, limit)
     try:
-        if request.content_length is None:
-            raw = edge.read_capped(request.stream.read, limit)
+        if length is None:
+            raw = edge.read_capped(req.stream.read, limit)
         else:
-            raw = _read_body()
+            raw = _read_body(req, length)
     except (ProxyError, HTTPException):
         raise
     except Exception as exc:
         # The server parses the body's framing as the view reads it: gunicorn raises its
         # InvalidChunkSize (a negative or non-hex chunk size) here, which would be a 500.
         raise edge.unreadable(exc) from None
-    edge.check_complete(len(raw), request.content_length)
-    return edge.decode_body(raw, request.headers.get("Content-Encoding"), limit)
+    edge.check_complete(len(raw), length)
+    return edge.decode_body(raw, req.headers.get("Content-Encoding"), limit)
 
 
 def parse_object(
@@ -103,14 +103,13 @@ def _json_kind(doc: Any) -> str:
         type(doc), "number")
 
 
-def _read_body() -> bytes:
+def _read_body(req: Request, length: int) -> bytes:
     """The request body; a large one in steps, so the worker's other streams run meanwhile
     (read in one go, a few megabytes already in the socket buffer hold the loop ~10 ms)."""
-    length = request.content_length
-    if length is None or length < cooperate.LARGE_BYTES:
-        return request.get_data(cache=False)
+    if length < cooperate.LARGE_BYTES:
+        return req.get_data(cache=False)
     parts = []
-    while part := request.stream.read(cooperate.LARGE_BYTES):
+    while part := req.stream.read(cooperate.LARGE_BYTES):
         parts.append(part)
         cooperate.after_step(len(part))
     return b"".join(parts)
@@ -138,20 +137,26 @@ def _accounted(ctx: RequestContext) -> Iterator[None]:
 @bp.post("/v1/chat/completions")
 @bp.post("/v1/completions")
 def completions() -> Response:
-    ctx = _context()
+    return completion(request._get_current_object(), services())  # type: ignore[attr-defined]
+
+
+def completion(req: Request, svc: Services) -> Response:
+    """The two completion routes: the one implementation, which Flask's route above and the
+    WSGI fast path (web/fastpath.py) both call."""
+    ctx = _context(req, svc)
     with _accounted(ctx):
-        _authorize()
-        ctype = (request.mimetype or "").lower()
+        _authorize(req, svc)
+        ctype = (req.mimetype or "").lower()
         if ctype not in JSON_TYPES:
             raise ClientError(f"Content-Type must be application/json, got {ctype}",
                               status=415, code="unsupported_media_type")
-        raw = _body()
+        raw = _body(req, svc)
         ctx.bytes_in = len(raw)
-        body = parse_object(raw, services().config.max_json_depth)
+        body = parse_object(raw, svc.config.max_json_depth)
         cooperate.after_step(len(raw))
-        validation.check_completion(request.path, body)
+        validation.check_completion(req.path, body)
         body = edge.without_proxy_fields(body)
-        reply = services().pipeline.completion(request.path, body, ctx)
+        reply = svc.pipeline.completion(req.path, body, ctx)
     return _respond(reply)
 
 
@@ -187,12 +192,13 @@ def ready() -> Response:
 def models() -> Response:
     """The union of what live decode-side instances serve (docs/behaviour.md#models); until
     any of them has told us its models, one of them answers, as for any other route."""
-    ctx = _context()
+    svc = services()
+    ctx = _context(request, svc)
     with _accounted(ctx):
-        _authorize()
-        listing = services().pipeline.catalog.listing()
+        _authorize(request, svc)
+        listing = svc.pipeline.catalog.listing()
         if listing is None:
-            reply = services().pipeline.passthrough(
+            reply = svc.pipeline.passthrough(
                 "GET", request.path, request.query_string.decode("latin-1"), None, None, ctx)
             return _respond(reply)
     body = json.dumps(listing).encode()
@@ -207,15 +213,16 @@ def models() -> Response:
 def passthrough(path: str) -> Response:
     """Everything else reaches a decode-side instance with its query string
     (docs/behaviour.md#edge)."""
-    ctx = _context()
+    svc = services()
+    ctx = _context(request, svc)
     with _accounted(ctx):
         _refuse_other_spellings(request.path)
-        _authorize()
+        _authorize(request, svc)
         raw: bytes | None = None
         model = None
         if request.method == "POST":
-            raw, model = _forwarded_body(_body(), (request.mimetype or "").lower())
-        reply = services().pipeline.passthrough(
+            raw, model = _forwarded_body(_body(request, svc), (request.mimetype or "").lower())
+        reply = svc.pipeline.passthrough(
             request.method, request.path, request.query_string.decode("latin-1"), raw,
             request.headers.get("Content-Type"), ctx, model)
     return _respond(reply)

@@ -1,0 +1,171 @@
+"""CPU per request of the proxy's own per-request work, upstream calls left out (issue 15).
+
+    .venv/bin/python -m gevent.monkey tests/bench/hotpath.py [--multiprocess] [--repeats 7]
+
+Drives the app's WSGI callable in this process with a prepared environ; the pipeline is
+replaced by a stand-in that does what a non-stream P/D request does around its two upstream
+calls (two legs, two routing decisions, stage timings, the request's finish: log line and
+metrics), so what is measured is the edge, dispatch, log line and metrics. CPU time
+(``time.thread_time``), the minimum over repeats, so a busy machine's noise drops out.
+``--multiprocess`` points prometheus_client at a fresh multiprocess directory, as under
+gunicorn. Parts:
+
+- ``app``: the whole WSGI chain as served (the completion fast path);
+- ``flask``: the same chain with Flask dispatching the completion route;
+- ``observer``: the metric updates of one request (its events, fired directly);
+- ``logline``: the request's log line, formatted and written to a discarding handler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import logging
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+PREFILL, DECODE = "http://127.0.0.1:18001", "http://127.0.0.1:18002"
+BODY = (b'{"model":"m","messages":[{"role":"user","content":"Hello there, how are you?"}],'
+        b'"max_tokens":16}')
+ANSWER = b'{"id":"x","object":"chat.completion","choices":[{"index":0,"message":' \
+         b'{"role":"assistant","content":"fine"}}],"usage":{"prompt_tokens":7}}'
+
+
+def environ() -> dict[str, Any]:
+    return {
+        "REQUEST_METHOD": "POST", "PATH_INFO": "/v1/chat/completions", "SCRIPT_NAME": "",
+        "QUERY_STRING": "", "SERVER_NAME": "127.0.0.1", "SERVER_PORT": "8000",
+        "SERVER_PROTOCOL": "HTTP/1.1", "REMOTE_ADDR": "127.0.0.1", "REMOTE_PORT": "40000",
+        "CONTENT_TYPE": "application/json", "CONTENT_LENGTH": str(len(BODY)),
+        "HTTP_HOST": "127.0.0.1:8000", "HTTP_USER_AGENT": "OpenAI/Python 1.50.0",
+        "HTTP_ACCEPT": "application/json", "HTTP_AUTHORIZATION": "Bearer sk-none",
+        "wsgi.input": io.BytesIO(BODY), "wsgi.input_terminated": True,
+        "wsgi.url_scheme": "http", "wsgi.errors": sys.stderr, "wsgi.version": (1, 0),
+        "wsgi.multithread": False, "wsgi.multiprocess": False, "wsgi.run_once": False,
+    }
+
+
+def start_response(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> None:
+    return None
+
+
+def cpu_per_call(fn: Callable[[], object], calls: int, repeats: int) -> float:
+    """Microseconds of this thread's CPU per call, the minimum over ``repeats``."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.thread_time()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.thread_time() - start) / calls)
+    return best * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--multiprocess", action="store_true")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--parts", default="app,flask,observer,logline")
+    args = parser.parse_args()
+    if args.multiprocess:
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="epd-hotpath-")
+
+    from epd_flask.app import create_app, services
+    from epd_flask.control.config import ProxyConfig
+    from epd_flask.control.roster import parse
+    from epd_flask.core import events
+    from epd_flask.core.headers import REQUEST_ID_HEADER
+    from epd_flask.observe import metrics
+    from epd_flask.serving.context import RequestContext
+    from epd_flask.serving.pipeline import Reply
+    from epd_flask.web.fastpath import FastPath
+    from epd_flask.web.inflight import InFlightMiddleware
+    from epd_flask.web.slowbody import BodyDeadline
+
+    handler = logging.StreamHandler(open(os.devnull, "w"))  # noqa: SIM115
+    handler.setFormatter(logging.Formatter("%(asctime)s [%(process)d] [%(levelname)s] "
+                                           "%(message)s"))
+    logging.getLogger().addHandler(handler)
+    logging.getLogger().setLevel(logging.INFO)
+
+    roster = parse({"instances": [{"role": "prefill", "url": PREFILL},
+                                  {"role": "decode", "url": DECODE}]}, "bench")
+    app = create_app(ProxyConfig(), roster)
+    svc = services(app)
+    metrics.OBSERVER.fleet([events.FleetEntry("prefill", PREFILL, True),
+                            events.FleetEntry("decode", DECODE, True)])
+    metrics.OBSERVER.models(["m"])
+
+    def completion(path: str, body: dict[str, Any], ctx: RequestContext) -> Reply:
+        ctx.model = "m"
+        for role, url in (("prefill", PREFILL), ("decode", DECODE)):
+            events.routed.fire(role, "round_robin", "rotation", url)
+            ctx.instances[role] = url
+            started = time.monotonic()
+            with ctx.leg(role, role, url) as call:
+                call.status = 200
+            ctx.mark(role if role == "prefill" else "decode_first_byte", started)
+        ctx.bytes_out = len(ANSWER)
+        ctx.finish(status=200)
+        return Reply(200, [("Content-Type", "application/json"),
+                           (REQUEST_ID_HEADER, ctx.request_id)], ANSWER)
+
+    svc.pipeline.completion = completion  # type: ignore[method-assign]
+    served = app.wsgi_app
+    fast = served.app.app
+    assert isinstance(fast, FastPath)
+    flask_only = InFlightMiddleware(BodyDeadline(fast.inner, svc.config.body_timeout),
+                                    svc.inflight)
+
+    def request(wsgi: Callable[..., Any]) -> Callable[[], object]:
+        def once() -> object:
+            result = wsgi(environ(), start_response)
+            body = b"".join(result)
+            result.close()
+            return body
+        return once
+
+    def observer() -> None:
+        ctx = RequestContext("r", "/v1/chat/completions", {})
+        ctx.model = "m"
+        ctx.instances.update(prefill=PREFILL, decode=DECODE)
+        ctx.timings.update(prefill=1.5, decode_first_byte=2.5, first_byte=4.0, total=4.0)
+        ctx.bytes_out = len(ANSWER)
+        ctx.status = 200
+        events.load.fire(1, 32)
+        for role, url in (("prefill", PREFILL), ("decode", DECODE)):
+            events.routed.fire(role, "round_robin", "rotation", url)
+            events.upstream_opened.fire(role, url)
+            events.upstream_closed.fire(role, url)
+        events.request_finished.fire(ctx)
+        events.load.fire(0, 32)
+
+    logline_ctx = RequestContext("0123456789abcdef0123456789abcdef", "/v1/chat/completions",
+                                 {}, upstream_id="fedcba9876543210fedcba9876543210")
+    logline_ctx.model = "m"
+    logline_ctx.instances.update(prefill=PREFILL, decode=DECODE)
+    logline_ctx.timings.update(prefill=1.512, decode_first_byte=2.503, first_byte=4.01,
+                               total=4.02)
+    logline_ctx.bytes_out = len(ANSWER)
+    logline_ctx.status = 200
+    requests_logger = logging.getLogger("epd_flask.requests")
+
+    def logline() -> None:
+        requests_logger.info("%s", logline_ctx.log_line())
+
+    parts: dict[str, Callable[[], object]] = {
+        "app": request(served), "flask": request(flask_only), "observer": observer,
+        "logline": logline}
+    for name in args.parts.split(","):
+        parts[name]()
+        us = cpu_per_call(parts[name], args.calls, args.repeats)
+        print(f"{name:10s} {us:8.1f} us CPU per call (min of {args.repeats} x {args.calls}"
+              f"{', multiprocess' if args.multiprocess else ''})")
+
+
+if __name__ == "__main__":
+    main()
