@@ -30,6 +30,7 @@ from epd_flask.control.statedir import StateDir
 from epd_flask.core import events
 from epd_flask.core.events import FleetEntry
 from epd_flask.core.periodic import Periodic
+from epd_flask.observe import mpvalues
 from epd_flask.serving.context import FIRST_BYTE, TOTAL, RequestContext
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ RELOAD_SOURCES = ("sighup", "admin")
 RELOAD_OUTCOMES = ("ok", "rejected")
 
 MULTIPROCESS = bool(settings.read(MULTIPROC_ENV))
+mpvalues.install()  # before the first metric below creates its values
 _REGISTRY: CollectorRegistry | None = None if MULTIPROCESS else CollectorRegistry()
 
 REQUESTS = Counter("epd_requests_total", "Client requests answered, by route and HTTP status.",
@@ -245,7 +247,7 @@ class MetricsObserver:
         UPSTREAM_ERRORS.labels(stage, self.instance_label(url), kind).inc()
 
     def routed(self, role: str, policy: str, outcome: str, url: str) -> None:
-        ROUTING.labels(role, policy, outcome, self.instance_label(url)).inc()
+        self._child(ROUTING, role, policy, outcome, self.instance_label(url)).inc()
 
     def kv_events(self, url: str, kind: str, count: int) -> None:
         KV_EVENTS.labels(self.instance_label(url), kind).inc(count)
