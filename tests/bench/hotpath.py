@@ -13,7 +13,9 @@ gunicorn. Parts:
 - ``app``: the whole WSGI chain as served (the completion fast path);
 - ``flask``: the same chain with Flask dispatching the completion route;
 - ``observer``: the metric updates of one request (its events, fired directly);
-- ``logline``: the request's log line, formatted and written to a discarding handler.
+- ``logline``: the request's log line, formatted and written to a discarding handler
+  (formatted as the packaged gunicorn configuration does);
+- ``format``: only the line's text.
 """
 
 from __future__ import annotations
@@ -86,11 +88,14 @@ def main() -> None:
     from epd_flask.web.inflight import InFlightMiddleware
     from epd_flask.web.slowbody import BodyDeadline
 
+    # As the packaged gunicorn configuration sets it up (control/gunicorn_config.py).
     handler = logging.StreamHandler(open(os.devnull, "w"))  # noqa: SIM115
     handler.setFormatter(logging.Formatter("%(asctime)s [%(process)d] [%(levelname)s] "
-                                           "%(message)s"))
-    logging.getLogger().addHandler(handler)
-    logging.getLogger().setLevel(logging.INFO)
+                                           "%(name)s: %(message)s"))
+    log = logging.getLogger("epd_flask")
+    log.addHandler(handler)
+    log.propagate = False
+    log.setLevel(logging.INFO)
 
     roster = parse({"instances": [{"role": "prefill", "url": PREFILL},
                                   {"role": "decode", "url": DECODE}]}, "bench")
@@ -159,7 +164,7 @@ def main() -> None:
 
     parts: dict[str, Callable[[], object]] = {
         "app": request(served), "flask": request(flask_only), "observer": observer,
-        "logline": logline}
+        "logline": logline, "format": logline_ctx.log_line}
     for name in args.parts.split(","):
         parts[name]()
         us = cpu_per_call(parts[name], args.calls, args.repeats)

@@ -1,0 +1,67 @@
+"""The request's logfmt line, built piece by piece (serving/context.py), is byte for byte the
+line the former field-list formatter wrote, kept here as the reference, for drawn contexts:
+odd strings (spaces, quotes, equals signs, backslashes, control characters, non-ASCII, empty),
+missing and odd numbers, every optional field present or not."""
+
+from __future__ import annotations
+
+import json
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from epd_flask.serving.context import RequestContext
+
+
+def reference_value(value: object) -> str:
+    text = "" if value is None else str(value)
+    if text and not any(c in text for c in ' "=\\') and text.isprintable():
+        return text
+    return json.dumps(text)
+
+
+def reference_line(ctx: RequestContext) -> str:
+    fields: list[tuple[str, object]] = [
+        ("request_id", ctx.request_id), ("upstream_id", ctx.upstream_id),
+        ("route", ctx.route), ("status", ctx.status)]
+    if ctx.model is not None:
+        fields.append(("model", ctx.model))
+    fields += list(ctx.instances.items())
+    if ctx.routing:
+        fields.append(("routing", ",".join(ctx.routing)))
+    fields += [(f"{k}_ms", v) for k, v in ctx.timings.items()]
+    fields += [("retries", ctx.retries), ("chunks", ctx.chunks), ("bytes", ctx.bytes_out)]
+    rate = ctx.chunks_per_second()
+    if rate is not None:
+        fields.append(("chunks_per_s", rate))
+    if ctx.error:
+        fields.append(("error", ctx.error))
+    return " ".join(f"{k}={reference_value(v)}" for k, v in fields)
+
+
+ODD = st.one_of(st.sampled_from(["", " ", '"', "=", "\\", "a b", "x=y", "\n", "\x00", "é", "ü z",
+                                 "http://127.0.0.1:8001", "chatcmpl-1"]), st.text(max_size=12))
+NUMBER = st.one_of(st.integers(-10, 10**12), st.floats(allow_nan=True, allow_infinity=True))
+TIMINGS = st.dictionaries(st.sampled_from(["encode", "rewrite", "prefill", "decode_first_byte",
+                                           "first_byte", "total"]), NUMBER, max_size=6)
+
+
+@settings(max_examples=200, deadline=None)
+@given(rid=ODD, route=ODD, status=st.one_of(st.none(), st.integers(0, 599)),
+       model=st.one_of(st.none(), ODD), instances=st.dictionaries(
+           st.sampled_from(["encode", "prefill", "decode"]), ODD, max_size=3),
+       routing=st.lists(ODD, max_size=3), timings=TIMINGS, retries=st.integers(0, 5),
+       chunks=st.integers(0, 10**6), nbytes=st.integers(0, 10**9),
+       error=st.one_of(st.none(), ODD))
+def test_the_line_is_the_reference_line(rid: str, route: str, status: int | None,
+                                        model: str | None, instances: dict[str, str],
+                                        routing: list[str], timings: dict[str, float],
+                                        retries: int, chunks: int, nbytes: int,
+                                        error: str | None) -> None:
+    ctx = RequestContext(rid, route, {}, upstream_id="0123456789abcdef")
+    ctx.status, ctx.model, ctx.error = status, model, error
+    ctx.instances.update(instances)
+    ctx.routing.extend(routing)
+    ctx.timings.update(timings)
+    ctx.retries, ctx.chunks, ctx.bytes_out = retries, chunks, nbytes
+    assert ctx.log_line() == reference_line(ctx)
