@@ -84,7 +84,10 @@ def main() -> None:
     from epd_flask.observe import metrics
     from epd_flask.serving.context import RequestContext
     from epd_flask.serving.pipeline import Reply
-    from epd_flask.web.fastpath import FastPath
+    try:
+        from epd_flask.web.fastpath import FastPath
+    except ImportError:  # measuring a tree from before it
+        FastPath = type(None)
     from epd_flask.web.inflight import InFlightMiddleware
     from epd_flask.web.slowbody import BodyDeadline
 
@@ -122,9 +125,8 @@ def main() -> None:
     svc.pipeline.completion = completion  # type: ignore[method-assign]
     served = app.wsgi_app
     fast = served.app.app
-    assert isinstance(fast, FastPath)
     flask_only = InFlightMiddleware(BodyDeadline(fast.inner, svc.config.body_timeout),
-                                    svc.inflight)
+                                    svc.inflight) if isinstance(fast, FastPath) else served
 
     def request(wsgi: Callable[..., Any]) -> Callable[[], object]:
         def once() -> object:
