@@ -14,6 +14,7 @@ from pathlib import Path
 
 SCRIPT = r'''
 import json, os, sys
+import gevent.monkey
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.multiprocess import MultiProcessCollector
 from epd_flask.observe import mpvalues
@@ -42,11 +43,13 @@ for i in range(500):
     recent.labels("decode").set(i % 2)
     if i in (0, 250):
         seen.append(scrape())  # every update is in the files at once
-pid = os.fork()
+# The interpreter's own fork and wait: gevent's watch the child from the hub, which this
+# script never runs.
+pid = gevent.monkey.get_original("os", "fork")()
 if pid == 0:
     counter.labels("/v1/completions").inc(5)
     os._exit(0)
-os.waitpid(pid, 0)
+gevent.monkey.get_original("os", "waitpid")(pid, 0)
 files = sorted(os.listdir(os.environ["PROMETHEUS_MULTIPROC_DIR"]))
 print(json.dumps({"seen": seen, "final": scrape(), "child_file": f"counter_{pid}.db" in files,
                   "class": type(counter.labels("x")._value).__name__}))
