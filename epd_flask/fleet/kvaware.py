@@ -122,14 +122,16 @@ class KVAware:
         if isinstance(wanted, list):
             affinity.tokens = wanted
         elif wanted is not None:
-            affinity.tokens = self._tokenize(instance.url, wanted)
+            headers = affinity.headers if affinity.headers is not None else self.headers
+            affinity.tokens = self._tokenize(instance.url, wanted, headers)
         return affinity.tokens
 
-    def _tokenize(self, url: str, doc: dict[str, Any]) -> Sequence[int]:
+    def _tokenize(self, url: str, doc: dict[str, Any],
+                  headers: dict[str, str]) -> Sequence[int]:
         timeout = self.timeout()
         try:
             resp = self.transport.post_json(url + TOKENIZE_PATH, doc, stage=STAGE,
-                                            headers=self.headers, read_timeout=timeout,
+                                            headers=headers, read_timeout=timeout,
                                             total_timeout=timeout)
             status = resp.status_code
             raw = self.transport.read_body(resp, STAGE, max_bytes=self.transport.max_answer_bytes)

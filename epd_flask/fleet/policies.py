@@ -49,6 +49,8 @@ class Affinity:
     #: holds them once known (``()`` when they cannot be), so a retry asks only once.
     body: dict[str, Any] | None = None
     tokens: Sequence[int] | None = None
+    #: The request's upstream headers (credentials as its other calls carry them).
+    headers: dict[str, str] | None = None
 
 
 @dataclass(frozen=True)

@@ -127,6 +127,7 @@ class Pipeline:
         ctx.on_leg = self.registry.track
         affinity = request_affinity(body, ctx.session)
         affinity.decisions = ctx.routing
+        affinity.headers = ctx.upstream_headers
         with routing.serving(affinity):
             return self._retried(path, body, ctx, attempts)
 

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,7 +14,7 @@ import pytest
 import zmq
 import zmq.green as zmq_green
 
-from epd_flask.control.roster import Instance
+from epd_flask.control.roster import Instance, RosterError, parse
 from epd_flask.core import events
 from epd_flask.fleet import policies
 from epd_flask.fleet.kvaware import KVAware, tokenize_request
@@ -22,6 +24,7 @@ from epd_flask.fleet.policies import Affinity, Decision
 from epd_flask.fleet.registry import Registry
 from epd_flask.fleet.routing import Router, serving
 from epd_flask.upstream.transport import Transport
+from tests.fakes import FakeUpstream, Handler, response, serve_and_wait
 from tests.helpers import eventually, free_port
 from tests.unit.test_kvcache import BLOCK, Engine, batch, stored
 
@@ -262,3 +265,86 @@ def test_a_tokenize_failure_routes_by_prefix(publishers: list[Publisher]) -> Non
         assert why[0].startswith("prefill:kv_aware(notokens,")
     finally:
         kv.stop()
+
+
+@pytest.mark.parametrize("value", ["tcp://*:5558", "5558", "http://10.0.0.1:5558",
+                                   "tcp://10.0.0.1"])
+def test_an_unusable_kv_events_endpoint_is_a_roster_error(value: str) -> None:
+    doc = {"instances": [{"role": "prefill", "url": "http://10.0.0.1:8100", "kv_events": value},
+                         {"role": "decode", "url": "http://10.0.0.2:8200"}]}
+    with pytest.raises(RosterError, match="kv_events"):
+        parse(doc, "test roster")
+
+
+def test_a_kv_events_endpoint_reads_as_tcp() -> None:
+    doc = {"instances": [{"role": "prefill", "url": "http://10.0.0.1:8100",
+                          "kv_events": "10.0.0.1:5558"},
+                         {"role": "decode", "url": "http://10.0.0.2:8200"}]}
+    assert parse(doc, "test roster").instances[0].kv_events == "tcp://10.0.0.1:5558"
+
+
+def tokenizing_fleet(publishers: list[Publisher], handler: Handler) -> tuple[
+        KVEvents, Router, FakeUpstream, list[Instance], bytes]:
+    """Two instances with events, the first a fake answering /tokenize with ``handler``,
+    and a prefix key whose choice (the instance asked for tokens) is that fake."""
+    fake = FakeUpstream(handler)
+    pubs = [Publisher(), Publisher()]
+    publishers += pubs
+    urls = [fake.url, f"http://127.0.0.1:{free_port()}"]
+    instances = [Instance(role="prefill", url=u, kv_events=p.endpoint)
+                 for u, p in zip(urls, pubs, strict=True)]
+    registry = Registry(instances)
+    kv = KVEvents(registry)
+    router = Router(registry, settings=lambda: Settings(),
+                    kv=KVAware(kv, Transport(), lambda: 0.3))
+    kv.sync()
+    assert eventually(lambda: connected(kv, 2))
+    key = next(k for k in (b"c%d" % i for i in range(100))
+               if policies.rendezvous_order(k, instances)[0].url == fake.url)
+    return kv, router, fake, instances, key
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}],
+        "add_generation_prompt": True}
+
+
+def tokens_answer(conn: Any, _request: bytes) -> None:
+    conn.sendall(response(body=json.dumps({"count": len(PROMPT), "max_model_len": 512,
+                                           "tokens": PROMPT}).encode()))
+
+
+def test_tokens_from_tokenize_match_the_held_blocks(publishers: list[Publisher]) -> None:
+    kv, router, fake, instances, key = tokenizing_fleet(publishers, tokens_answer)
+    try:
+        for inst, pub in zip(instances, publishers, strict=True):
+            publish_until_ready(kv, pub, inst.url, [1] * BLOCK)  # both have a picture
+        publish_until_ready(kv, publishers[1], instances[1].url, PROMPT)
+        with serving(Affinity(prefix=key, body=CHAT,
+                              headers={"Authorization": "Bearer k"})) as aff:
+            chosen = router.pick("prefill")
+            assert router.pick("prefill") == chosen  # a second pick asks no second time
+        assert chosen == instances[1]
+        assert aff.decisions[0] == "prefill:kv_aware(blocks=6/6,load=0)"
+        assert len(fake.requests) == 1
+        head, _, body = fake.requests[0].partition(b"\r\n\r\n")
+        assert head.startswith(b"POST /tokenize ") and b"Authorization: Bearer k" in head
+        assert json.loads(body) == CHAT
+    finally:
+        kv.stop()
+        fake.stop()
+
+
+def test_a_slow_tokenize_is_cut_at_the_timeout_and_routes_by_prefix(
+        publishers: list[Publisher]) -> None:
+    kv, router, fake, instances, key = tokenizing_fleet(publishers, serve_and_wait(b"", 5.0))
+    try:
+        publish_until_ready(kv, publishers[1], instances[1].url, PROMPT)
+        started = time.monotonic()
+        with serving(Affinity(prefix=key, body=CHAT)) as aff:
+            router.pick("prefill")
+        assert len(fake.requests) == 1
+        assert time.monotonic() - started < 2.0  # the 0.3 s timeout, not the 5 s stall
+        assert aff.decisions[0].startswith("prefill:kv_aware(notokens,")
+    finally:
+        kv.stop()
+        fake.stop()
