@@ -150,6 +150,8 @@ def events_endpoint(value: str) -> str:
     the host."""
     value = transfer_address(value)
     value = value if "://" in value else "tcp://" + value
+    if urlsplit(value).port == 0:
+        raise ValueError(f"must name the port the instance bound, not 0, got {value!r}")
     if urlsplit(value).hostname in ("*", "0.0.0.0", "::"):
         raise ValueError(f"must name the instance's host (vLLM binds {value}; connect to "
                          f"tcp://<its host>:<port>), got {value!r}")

@@ -268,7 +268,7 @@ def test_a_tokenize_failure_routes_by_prefix(publishers: list[Publisher]) -> Non
 
 
 @pytest.mark.parametrize("value", ["tcp://*:5558", "5558", "http://10.0.0.1:5558",
-                                   "tcp://10.0.0.1"])
+                                   "tcp://10.0.0.1", "tcp://10.0.0.1:0"])
 def test_an_unusable_kv_events_endpoint_is_a_roster_error(value: str) -> None:
     doc = {"instances": [{"role": "prefill", "url": "http://10.0.0.1:8100", "kv_events": value},
                          {"role": "decode", "url": "http://10.0.0.2:8200"}]}
