@@ -1,16 +1,22 @@
 """``make bench-fleet``: routing policies judged on a simulated fleet with a cost model.
 
 Starts 4 prefill + 4 decode simulated instances (and, for the combined variant, 4
-prefill_decode), each with the cost model of ``epd_flask/sim/costmodel.py`` set to figures for
-an 8B model on one H100 (FIGURES; sources in docs/benchmarks.md), and replays one generated
-trace of multi-turn chat sessions (chattrace.py) through every target in turn: epd-flask with
-each policy (1 worker; with 2 workers; 2 processes behind a round-robin front), and
-vllm-router with round_robin, power_of_two and cache_aware. Before each target the sims are
-reset (counters, prefix caches, engine clocks), so every target starts cold on the same trace.
-Reports TTFT p50/p99, inter-token p99, completed, prefill tokens computed and served from
-cache (the sims' counters) against an oracle with one infinite cache, and load imbalance
-(the busiest prefill's share over the mean). Bounded: the trace lasts ``--duration`` seconds
-and every request has a timeout.
+prefill_decode), each with the cost model of ``epd_flask/sim/costmodel.py``, and replays a
+generated trace of multi-turn chat sessions (chattrace.py) through every target in turn:
+epd-flask with each policy (1 worker; with 2 workers; 2 processes behind a round-robin front),
+and vllm-router with round_robin, power_of_two, cache_aware and (when the sims publish KV
+events) kv_aware. Two scenarios, one invocation:
+- ``light``: figures for an 8B model on one H100 (FIGURES; sources in docs/benchmarks.md); the
+  trace offers a few percent of the fleet's prefill capacity;
+- ``loaded``: the same figures but a prefill throughput scaled down so that round_robin's
+  prefill work is ``UTILISATION`` of the fleet's capacity (``loaded_figures``), which is the
+  issue's "80 % of capacity" run without driving 15x the rate through 2 CPUs.
+Before each target the sims are reset (counters, prefix caches, engine clocks), so every
+target starts cold on the same trace. Reports TTFT p50/p99, inter-token p99, completed,
+prefill tokens computed and served from cache (the sims' counters) against an oracle with one
+infinite cache, load imbalance (the busiest prefill's share over the mean), and each of the
+issue's targets as a measured figure. Bounded: each trace lasts its scenario's duration and
+every request has a timeout.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from run import (
     wait_up,
 )
 
+from epd_flask.control.roster import Instance
 from epd_flask.sim import validate
 from epd_flask.sim.kvcache import PrefixCache
 
@@ -58,6 +65,11 @@ FIGURES = {
     "ttft": 0.0,
 }
 MAX_MODEL_LEN = 32768
+#: vLLM's --kv-events-config, binding a free port (GET /kv_event_sources names it).
+KV_EVENTS = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:0",
+             "topic": "kv"}
+#: The loaded scenario's share of the fleet's prefill capacity that round_robin uses.
+UTILISATION = 0.8
 
 
 @dataclass
@@ -70,19 +82,47 @@ class Variant:
     workers: int = 1
     processes: int = 1
     router_args: tuple[str, ...] = ()
+    kv_events: bool = False  # needs the sims' KV events
+    light_only: bool = False  # not repeated in the loaded scenario
 
 
-def variants(include_router: bool) -> list[Variant]:
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    duration: float
+    rate: float
+    utilisation: float | None = None  # None: FIGURES as they are
+
+    @property
+    def label(self) -> str:
+        """The report section's markers in docs/benchmarks.md."""
+        return "fleet" if self.name == "light" else f"fleet-{self.name}"
+
+
+def scenarios(short: bool) -> list[Scenario]:
+    """Both scenarios; ``short`` (a smoke run, ~3 minutes) shortens the traces."""
+    if short:
+        return [Scenario("light", 6.0, 3.0), Scenario("loaded", 8.0, 4.0, UTILISATION)]
+    return [Scenario("light", 15.0, 3.0), Scenario("loaded", 25.0, 4.0, UTILISATION)]
+
+
+def variants(include_router: bool, kv_events: bool, kv_reader: bool) -> list[Variant]:
+    """Every target; the kv_aware ones only when the sims publish KV events (``kv_events``)
+    and, for epd-flask's, when its roster takes an instance's event endpoint
+    (``kv_reader``)."""
+    split = {"decode": "least_loaded"}
     out = [
         Variant("epd round_robin", "epd", routing={}),
         Variant("epd least_loaded", "epd",
                 routing={"prefill": "least_loaded", "decode": "least_loaded"}),
-        Variant("epd prefix", "epd", routing={"prefill": "prefix", "decode": "least_loaded"}),
-        Variant("epd session", "epd", routing={"prefill": "session", "decode": "least_loaded"}),
-        Variant("epd prefix, 2 workers", "epd", workers=2,
-                routing={"prefill": "prefix", "decode": "least_loaded"}),
+        Variant("epd prefix", "epd", routing={"prefill": "prefix", **split}),
+        Variant("epd session", "epd", routing={"prefill": "session", **split}),
+        *([Variant("epd kv_aware", "epd", routing={"prefill": "kv_aware", **split},
+                   kv_events=True)] if kv_reader else []),
+        Variant("epd prefix, 2 workers", "epd", workers=2, light_only=True,
+                routing={"prefill": "prefix", **split}),
         Variant("epd prefix, 2 hosts x 2 workers", "epd", workers=2, processes=2,
-                routing={"prefill": "prefix", "decode": "least_loaded"}),
+                light_only=True, routing={"prefill": "prefix", **split}),
         Variant("epd round_robin (PD)", "epd", combined=True, routing={}),
         Variant("epd prefix (PD)", "epd", combined=True, routing={"prefill_decode": "prefix"}),
     ]
@@ -90,8 +130,29 @@ def variants(include_router: bool) -> list[Variant]:
         for policy in ("round_robin", "power_of_two", "cache_aware"):
             out.append(Variant(f"vllm-router {policy}", "router",
                                router_args=("--policy", policy)))
+        # kv_aware for prefill (fed by the prefills' events); decode has no cache to match.
+        out.append(Variant("vllm-router kv_aware", "router", kv_events=True, router_args=(
+            "--prefill-policy", "kv_aware", "--decode-policy", "power_of_two")))
         out.append(Variant("vllm-router cache_aware (PD)", "router", combined=True,
                            router_args=("--policy", "cache_aware")))
+    return [v for v in out if kv_events or not v.kv_events]
+
+
+def sim_publishes_events() -> bool:
+    """Whether this tree's simulator takes vLLM's ``--kv-events-config``."""
+    out = subprocess.run([str(BIN / "epd-flask-sim"), "--help"], capture_output=True,
+                         text=True, timeout=60).stdout
+    return "--kv-events-config" in out
+
+
+def event_endpoints(urls: list[str]) -> dict[str, str]:
+    """Where each sim publishes its KV events, from vLLM's ``GET /kv_event_sources`` (the sim
+    binds a port the OS picks, as ``tcp://*:0`` asks)."""
+    out = {}
+    for url in urls:
+        with urllib.request.urlopen(url + "/kv_event_sources", timeout=5) as resp:
+            sources = json.loads(resp.read())
+        out[url] = sources["0"]["endpoint"]
     return out
 
 
@@ -107,18 +168,57 @@ def stats(url: str) -> dict[str, Any]:
         return json.loads(resp.read())
 
 
+def _prompts(trace: list[dict[str, Any]]) -> list[list[tuple[str, int]]]:
+    """Each request's (prompt, tokens) pairs, as the sims count them."""
+    out = []
+    for item in trace:
+        req = validate.parse_request("/v1/chat/completions", item["body"], "tiny-llama",
+                                     MAX_MODEL_LEN)
+        out.append(list(zip(req.prompts, req.prompt_tokens, strict=True)))
+    return out
+
+
 def oracle_computed(trace: list[dict[str, Any]]) -> tuple[int, int]:
     """(prompt tokens, tokens an oracle computes): one infinite cache seeing every prompt in
     order, as if every request went where its longest prefix is."""
     cache = PrefixCache(capacity=1 << 30)
     total = computed = 0
-    for item in trace:
-        req = validate.parse_request("/v1/chat/completions", item["body"], "tiny-llama",
-                                     MAX_MODEL_LEN)
-        for prompt, tokens in zip(req.prompts, req.prompt_tokens, strict=True):
+    for prompts in _prompts(trace):
+        for prompt, tokens in prompts:
             total += tokens
             computed += tokens - cache.lookup_and_insert(prompt, tokens)
     return total, computed
+
+
+def round_robin_computed(trace: list[dict[str, Any]], instances: int = INSTANCES,
+                         blocks: int = int(FIGURES["kv_cache_blocks"])) -> int:
+    """The prefill tokens the fleet computes when request i goes to instance i mod n, each
+    instance with its own bounded prefix cache: round_robin's work, the same in every run
+    (where the rotation starts moves which instance computes what, not how much)."""
+    caches = [PrefixCache(capacity=blocks) for _ in range(instances)]
+    computed = 0
+    for i, prompts in enumerate(_prompts(trace)):
+        for prompt, tokens in prompts:
+            computed += tokens - caches[i % instances].lookup_and_insert(prompt, tokens)
+    return computed
+
+
+def loaded_figures(figures: dict[str, Any], computed: int, duration: float,
+                   utilisation: float, instances: int = INSTANCES) -> dict[str, Any]:
+    """``figures`` with a prefill throughput at which ``computed`` tokens over ``duration``
+    seconds keep ``instances`` prefills busy ``utilisation`` of the time.
+
+    Capacity is measured against the tokens round_robin *computes*, not those the trace
+    offers: a cached token costs the engine nothing, so the offered tokens would put
+    round_robin itself at ~half that utilisation (half of this trace's prompt tokens are
+    cache hits even under round_robin) and the run would not be loaded. With round_robin's
+    work as the reference the baseline runs at ``utilisation`` and a policy that computes
+    less runs below it unless it concentrates that work on a few instances, which is what
+    the 80 % target is about. Only the prefill rate is scaled: the decode figures stay, so
+    inter-token times are those of the light scenario.
+    """
+    rate = computed / duration / (instances * utilisation)
+    return {**figures, "prefill_tokens_per_s": round(rate, 1)}
 
 
 def replay(urls: list[str], trace: list[dict[str, Any]], timeout: float) -> dict[str, Any]:
@@ -138,17 +238,21 @@ def pct(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def summarize(name: str, result: dict[str, Any], prefill_stats: list[dict[str, Any]],
+def summarize(variant: Variant, result: dict[str, Any], prefill_stats: list[dict[str, Any]],
               oracle: int) -> dict[str, Any]:
     reqs = result["requests"]
     ok = [r for r in reqs if r["ok"]]
     gaps = [g for r in ok for g in r.get("gaps", [])]
-    computed = sum(s.get("prefix_computed_tokens", 0) for s in prefill_stats)
+    work = [s.get("prefix_computed_tokens", 0) for s in prefill_stats]
+    computed = sum(work)
     cached = sum(s.get("prefix_cached_tokens", 0) for s in prefill_stats)
     served = [s.get("completions", 0) for s in prefill_stats]
     mean = statistics.mean(served) if served else 0
+    mean_work = statistics.mean(work) if work else 0
     return {
-        "target": name, "sent": len(reqs), "completed": len(ok),
+        "target": variant.name, "kind": variant.kind, "combined": variant.combined,
+        "workers": variant.workers * variant.processes,
+        "sent": len(reqs), "completed": len(ok),
         "errors": sorted({r.get("error", "")[:120] for r in reqs if not r["ok"]})[:3],
         "ttft_p50": pct([r["ttft"] for r in ok], 0.5),
         "ttft_p99": pct([r["ttft"] for r in ok], 0.99),
@@ -156,7 +260,8 @@ def summarize(name: str, result: dict[str, Any], prefill_stats: list[dict[str, A
         "computed": computed, "cached": cached,
         "vs_oracle": computed / oracle if oracle else None,
         "imbalance": max(served) / mean if mean else None,
-        "per_instance": served,
+        "work_imbalance": max(work) / mean_work if mean_work else None,
+        "per_instance": served, "work_per_instance": work,
     }
 
 
@@ -168,42 +273,133 @@ def _ratio(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}"
 
 
-def render(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+def _div(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _verdict(ok: bool | None) -> str:
+    return "not measured" if ok is None else ("met" if ok else "not met")
+
+
+def _peers(rows: list[dict[str, Any]], kind: str, combined: bool) -> list[dict[str, Any]]:
+    """One worker's rows of ``kind`` on split (or combined) instances, all requests done."""
+    return [r for r in rows if r["kind"] == kind and r["combined"] == combined
+            and r["workers"] == 1 and r["completed"] == r["sent"]]
+
+
+def _find(rows: list[dict[str, Any]], name: str) -> dict[str, Any] | None:
+    return next((r for r in rows if r["target"] == name), None)
+
+
+def targets(scenario: Scenario, rows: list[dict[str, Any]]) -> list[str]:
+    """The issue's targets as measured in this run, one line each (figures, no prose)."""
+    out = []
+    for combined in (False, True):
+        tag = " (PD)" if combined else ""
+        epd = [r for r in _peers(rows, "epd", combined) if r["ttft_p50"] is not None]
+        base = _find(rows, f"epd round_robin{tag}")
+        routers = [r for r in _peers(rows, "router", combined) if r["ttft_p50"] is not None]
+        if not epd or base is None:
+            continue
+        best = min(epd, key=lambda r: r["ttft_p50"])
+        ratio = _div(best["ttft_p50"], base["ttft_p50"])
+        line = (f"- TTFT p50{tag}: best epd-flask policy `{best['target']}` "
+                f"{_ms(best['ttft_p50'])} ms, {_ratio(ratio)}x `epd round_robin{tag}` "
+                f"({_ms(base['ttft_p50'])} ms; target ≤ 0.5x: "
+                f"{_verdict(None if ratio is None else ratio <= 0.5)})")
+        if routers:
+            rbest = min(routers, key=lambda r: r["ttft_p50"])
+            line += (f"; vllm-router's best `{rbest['target']}` {_ms(rbest['ttft_p50'])} ms "
+                     f"(target ≤ it: {_verdict(best['ttft_p50'] <= rbest['ttft_p50'])})")
+        out.append(line + ".")
+        least = min(epd, key=lambda r: r["vs_oracle"] or 0.0)
+        near = None if least["vs_oracle"] is None else least["vs_oracle"] <= 1.2
+        out.append(f"- Prefill computed{tag}: least for epd-flask `{least['target']}`, "
+                   f"{_ratio(least['vs_oracle'])}x the oracle (target ≤ 1.2x: "
+                   f"{_verdict(near)}).")
+    hit = {}
+    for name in ("epd prefix", "epd prefix, 2 workers", "epd prefix, 2 hosts x 2 workers"):
+        row = _find(rows, name)
+        if row is not None and row["computed"] + row["cached"]:
+            hit[name] = 100.0 * row["cached"] / (row["computed"] + row["cached"])
+    if "epd prefix" in hit and len(hit) > 1:
+        worst = max(abs(v - hit["epd prefix"]) for v in hit.values())
+        out.append("- Cache hits (cached / prompt tokens at prefill): " + ", ".join(
+            f"`{k}` {v:.1f} %" for k, v in hit.items())
+            + f"; largest gap {worst:.1f} points (target ≤ 5: {_verdict(worst <= 5.0)}).")
+    if scenario.utilisation is not None:
+        ratios = []
+        for r in rows:
+            tag = " (PD)" if r["combined"] else ""
+            base_name = ("epd round_robin" if r["kind"] == "epd" else "vllm-router round_robin")
+            base = _find(rows, base_name + tag)
+            if base is None or r is base or r["ttft_p99"] is None:
+                continue
+            ratios.append((r["target"], base["target"], _div(r["ttft_p99"], base["ttft_p99"])))
+        if ratios:
+            worst_epd = max((x for n, _, x in ratios if n.startswith("epd") and x is not None),
+                            default=None)
+            out.append(
+                f"- TTFT p99 at {scenario.utilisation:.0%} of capacity, against round_robin "
+                "of the same proxy and instances: " + ", ".join(
+                    f"`{n}` {_ratio(x)}x" for n, _, x in ratios)
+                + f" (target: no epd-flask policy above 1.10x: "
+                f"{_verdict(None if worst_epd is None else worst_epd <= 1.10)}).")
+    return out
+
+
+def render(scenario: Scenario, meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    load = ""
+    if scenario.utilisation is not None:
+        load = (f" Round_robin computes {meta['round_robin_computed']} prompt tokens, "
+                f"{meta['round_robin_computed'] / scenario.duration:.0f}/s: at "
+                f"{meta['figures']['prefill_tokens_per_s']:g} tokens/s per prefill the "
+                f"{INSTANCES} prefills are {scenario.utilisation:.0%} busy under round_robin.")
     lines = [
-        f"Run {meta['started']} - {meta['finished']} on {meta['machine']['nproc']} CPUs "
+        f"Scenario `{scenario.name}`. Run {meta['started']} - {meta['finished']} on "
+        f"{meta['machine']['nproc']} CPUs "
         f"({meta['machine']['cpu']}), load average before {meta['machine']['load_before']}, "
         f"after {meta['load_after']}. Trace: {meta['requests']} requests "
-        f"({meta['sessions']} sessions, seed {meta['seed']}, {meta['duration']:g} s, "
-        f"{meta['rate']:g} sessions/s), {meta['prompt_tokens']} prompt tokens, an oracle "
-        f"with one infinite cache computes {meta['oracle']} of them. vllm-router: "
+        f"({meta['sessions']} sessions, seed {meta['seed']}, {scenario.duration:g} s, "
+        f"{scenario.rate:g} sessions/s), {meta['prompt_tokens']} prompt tokens, an oracle "
+        f"with one infinite cache computes {meta['oracle']} of them.{load} vllm-router: "
         f"{meta['router_version'] or 'not run'}. Cost model: {meta['figures']}.",
         "",
         "| target | completed | TTFT p50 ms | TTFT p99 ms | ITL p99 ms | prefill tokens "
-        "computed | cached | computed / oracle | imbalance (max/mean) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "computed | cached | computed / oracle | imbalance: requests | imbalance: computed |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['target']} | {r['completed']}/{r['sent']} | {_ms(r['ttft_p50'])} | "
             f"{_ms(r['ttft_p99'])} | {_ms(r['itl_p99'])} | {r['computed']} | {r['cached']} | "
-            f"{_ratio(r['vs_oracle'])} | {_ratio(r['imbalance'])} |")
+            f"{_ratio(r['vs_oracle'])} | {_ratio(r['imbalance'])} | "
+            f"{_ratio(r['work_imbalance'])} |")
     errors = [(r["target"], r["errors"]) for r in rows if r["errors"]]
     if errors:
         lines += ["", "Errors: " + "; ".join(f"{t}: {e}" for t, e in errors)]
+    found = targets(scenario, rows)
+    if found:
+        lines += ["", "Targets, as measured in this run:", "", *found]
     lines.append("")
     return "\n".join(lines)
 
 
 def roster_text(prefills: list[str], decodes: list[str], combined: list[str],
-                variant: Variant) -> str:
+                variant: Variant, events: dict[str, str] | None = None) -> str:
     routing = json.dumps(variant.routing or {})
     extra = "".join(f", {k}: {json.dumps(v)}" for k, v in (variant.extra or {}).items())
     lines = [f"settings: {{connector: nixl, routing: {routing}{extra}}}", "instances:"]
+
+    def entry(role: str, url: str) -> str:
+        kv = f", kv_events: \"{events[url]}\"" if variant.kv_events and events and \
+            url in events else ""
+        return f"  - {{role: {role}, url: \"{url}\"{kv}}}"
     if variant.combined:
-        lines += [f"  - {{role: prefill_decode, url: \"{u}\"}}" for u in combined]
+        lines += [entry("prefill_decode", u) for u in combined]
     else:
-        lines += [f"  - {{role: prefill, url: \"{u}\"}}" for u in prefills]
-        lines += [f"  - {{role: decode, url: \"{u}\"}}" for u in decodes]
+        lines += [entry("prefill", u) for u in prefills]
+        lines += [entry("decode", u) for u in decodes]
     return "\n".join(lines) + "\n"
 
 
@@ -222,99 +418,146 @@ def start_epd(fleet: Fleet, variant: Variant, roster: Path) -> list[str]:
 
 
 def start_router(fleet: Fleet, router: str, variant: Variant, prefills: list[str],
-                 decodes: list[str], combined: list[str]) -> list[str]:
+                 decodes: list[str], combined: list[str],
+                 events: dict[str, str] | None = None) -> list[str]:
     port = free_port()
+    # Its Prometheus exporter binds a fixed port by default; a lingering router or another
+    # run on the machine would make the next one fail to start.
     argv = [router, "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
             *variant.router_args]
+    events = events if variant.kv_events else None
     if variant.combined:
         argv += ["--worker-urls", *combined]
+        for u in combined:
+            argv += ["--kv-event-source", f"{u}={events[u]}"] if events else []
     else:
         argv += ["--vllm-pd-disaggregation", "--kv-connector", "nixl"]
         for u in prefills:
             argv += ["--prefill", u]
         for u in decodes:
             argv += ["--decode", u]
+        for u in prefills:
+            argv += ["--pd-kv-events", f"{u}={events[u]}"] if events else []
     proc = fleet.spawn(f"router-{port}", argv)
     url = f"http://127.0.0.1:{port}"
     wait_up(url + "/health", proc)
     return [url]
 
 
+def run_scenario(scenario: Scenario, args: argparse.Namespace, workdir: Path,
+                 fleet: dict[str, list[str]], chosen: list[Variant],
+                 events: dict[str, str]) -> tuple[
+                     dict[str, Any], list[dict[str, Any]]]:
+    spec = chattrace.TraceSpec(seed=args.seed, duration=scenario.duration, rate=scenario.rate)
+    trace = chattrace.generate(spec)
+    total, oracle = oracle_computed(trace)
+    rr_computed = round_robin_computed(trace)
+    figures = dict(FIGURES) if scenario.utilisation is None else loaded_figures(
+        FIGURES, rr_computed, scenario.duration, scenario.utilisation)
+    for url in fleet["prefill"] + fleet["decode"] + fleet["prefill_decode"]:
+        configure(url, figures)
+    started = datetime.datetime.now(datetime.timezone.utc)
+    info = machine()
+    rows = []
+    for variant in chosen:
+        if variant.light_only and scenario.utilisation is not None:
+            continue
+        runners = Fleet(workdir)
+        try:
+            roster = workdir / f"roster-{scenario.name}-{len(rows)}.yaml"
+            roster.write_text(roster_text(fleet["prefill"], fleet["decode"],
+                                          fleet["prefill_decode"], variant, events))
+            urls = (start_epd(runners, variant, roster) if variant.kind == "epd"
+                    else start_router(runners, args.router, variant, fleet["prefill"],
+                                      fleet["decode"], fleet["prefill_decode"], events))
+            time.sleep(0.5)  # first probes
+            for url in fleet["prefill"] + fleet["decode"] + fleet["prefill_decode"]:
+                post(url, "/sim/reset")
+            result = replay(urls, trace, args.timeout)
+            computing = fleet["prefill_decode"] if variant.combined else fleet["prefill"]
+            row = summarize(variant, result, [stats(u) for u in computing], oracle)
+        finally:
+            runners.stop()
+        rows.append(row)
+        print(f"{scenario.name} {row['target']}: {row['completed']}/{row['sent']} ok, TTFT "
+              f"p50 {_ms(row['ttft_p50'])} ms p99 {_ms(row['ttft_p99'])} ms, computed "
+              f"{row['computed']} cached {row['cached']}", file=sys.stderr, flush=True)
+    finished = datetime.datetime.now(datetime.timezone.utc)
+    meta = {"started": started.isoformat(timespec="seconds"),
+            "finished": finished.isoformat(timespec="seconds"), "machine": info,
+            "load_after": os.getloadavg(), "requests": len(trace),
+            "sessions": len({r["session"] for r in trace}), "seed": args.seed,
+            "prompt_tokens": total, "oracle": oracle, "round_robin_computed": rr_computed,
+            "figures": figures,
+            "router_version": router_version(args.router) if args.router else None}
+    return meta, rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--router", default="", help="vllm-router executable (bench venv)")
-    p.add_argument("--duration", type=float, default=15.0, help="trace length, seconds")
-    p.add_argument("--rate", type=float, default=3.0, help="new sessions per second")
+    p.add_argument("--short", action="store_true",
+                   help="short traces for a quick check (~3 minutes); writes no report "
+                        "unless --report is given")
+    p.add_argument("--scenario", default="light,loaded", help="comma-separated: light, loaded")
+    p.add_argument("--duration", type=float, default=0.0,
+                   help="trace length, seconds (default: the scenario's)")
+    p.add_argument("--rate", type=float, default=0.0,
+                   help="new sessions per second (default: the scenario's)")
     p.add_argument("--seed", type=int, default=14)
     p.add_argument("--only", default="", help="comma-separated substrings of target names")
     p.add_argument("--timeout", type=float, default=60.0, help="per request, seconds")
-    p.add_argument("--report", default=str(ROOT / "docs" / "benchmarks.md"))
-    p.add_argument("--label", default="fleet", help="name of the report section")
+    p.add_argument("--report", default=None,
+                   help="markdown file to write the tables into (default docs/benchmarks.md; "
+                        "'' for none)")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
+    if args.report is None:
+        args.report = "" if args.short else str(ROOT / "docs" / "benchmarks.md")
 
-    spec = chattrace.TraceSpec(seed=args.seed, duration=args.duration, rate=args.rate)
-    trace = chattrace.generate(spec)
-    total, oracle = oracle_computed(trace)
+    wanted = args.scenario.split(",")
+    chosen_scenarios = [sc for sc in scenarios(args.short) if sc.name in wanted]
+    chosen_scenarios = [Scenario(sc.name, args.duration or sc.duration, args.rate or sc.rate,
+                                 sc.utilisation) for sc in chosen_scenarios]
     include_router = bool(args.router and Path(args.router).exists())
     if not include_router:
         print("vllm-router not found (make bench-fleet installs it); running without it",
               file=sys.stderr)
-    chosen = [v for v in variants(include_router)
+        args.router = ""
+    kv_events = sim_publishes_events()
+    kv_reader = "kv_events" in Instance.model_fields
+    if not kv_events:
+        print("the sims publish no KV events: kv_aware targets not run", file=sys.stderr)
+    chosen = [v for v in variants(include_router, kv_events, kv_reader)
               if not args.only or any(s in v.name for s in args.only.split(","))]
     workdir = Path(tempfile.mkdtemp(prefix="epd-bench-fleet-"))
-    fleet = Fleet(workdir)
-    started = datetime.datetime.now(datetime.timezone.utc)
-    info = machine()
-    rows = []
+    sims_fleet = Fleet(workdir)
+    results = {}
     try:
         def sims(role: str) -> list[str]:
-            urls = [fleet.sim(role, "--prompt-tokens-details", "--max-model-len",
-                              str(MAX_MODEL_LEN))[0] for _ in range(INSTANCES)]
-            for url in urls:
-                configure(url, FIGURES)
-            return urls
-        prefills, decodes = sims("prefill"), sims("decode")
-        combined = sims("prefill_decode") if any(v.combined for v in chosen) else []
-        for variant in chosen:
-            runners = Fleet(workdir)
-            try:
-                roster = workdir / f"roster-{len(rows)}.yaml"
-                roster.write_text(roster_text(prefills, decodes, combined, variant))
-                urls = (start_epd(runners, variant, roster) if variant.kind == "epd"
-                        else start_router(runners, args.router, variant, prefills, decodes,
-                                          combined))
-                time.sleep(0.5)  # first probes
-                for url in prefills + decodes + combined:
-                    post(url, "/sim/reset")
-                result = replay(urls, trace, args.timeout)
-                computing = combined if variant.combined else prefills
-                row = summarize(variant.name, result, [stats(u) for u in computing], oracle)
-            finally:
-                runners.stop()
-            rows.append(row)
-            print(f"{row['target']}: {row['completed']}/{row['sent']} ok, TTFT p50 "
-                  f"{_ms(row['ttft_p50'])} ms p99 {_ms(row['ttft_p99'])} ms, computed "
-                  f"{row['computed']} cached {row['cached']}", file=sys.stderr, flush=True)
-        finished = datetime.datetime.now(datetime.timezone.utc)
-        meta = {"started": started.isoformat(timespec="seconds"),
-                "finished": finished.isoformat(timespec="seconds"), "machine": info,
-                "load_after": os.getloadavg(), "requests": len(trace),
-                "sessions": len({r["session"] for r in trace}), "seed": args.seed,
-                "duration": args.duration, "rate": args.rate, "prompt_tokens": total,
-                "oracle": oracle, "figures": FIGURES,
-                "router_version": router_version(args.router) if include_router else None}
+            extra = ("--kv-events-config", json.dumps(KV_EVENTS)) if kv_events else ()
+            return [sims_fleet.sim(role, "--prompt-tokens-details", "--max-model-len",
+                                   str(MAX_MODEL_LEN), *extra)[0] for _ in range(INSTANCES)]
+        fleet = {"prefill": sims("prefill"), "decode": sims("decode"),
+                 "prefill_decode": sims("prefill_decode") if any(
+                     v.combined for v in chosen) else []}
+        events = event_endpoints(fleet["prefill"] + fleet["prefill_decode"]) \
+            if kv_events else {}
+        for scenario in chosen_scenarios:
+            meta, rows = run_scenario(scenario, args, workdir, fleet, chosen, events)
+            results[scenario.name] = {"meta": meta, "rows": rows}
+            text = render(scenario, meta, rows)
+            print(text, flush=True)
+            if args.report:
+                report.write_section(Path(args.report), scenario.label, text)
         if args.json:
-            Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}))
-        text = render(meta, rows)
-        print(text)
-        if args.report:
-            report.write_section(Path(args.report), args.label, text)
+            Path(args.json).write_text(json.dumps(results))
     except BaseException:
-        fleet.stop()
+        sims_fleet.stop()
         print(f"benchmark failed; process logs kept in {workdir}", file=sys.stderr)
         raise
-    fleet.stop()
+    sims_fleet.stop()
     return 0
 
 
