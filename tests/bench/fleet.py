@@ -123,6 +123,9 @@ def variants(include_router: bool, kv_events: bool, kv_reader: bool) -> list[Var
                 routing={"prefill": "prefix", **split}),
         Variant("epd prefix, 2 hosts x 2 workers", "epd", workers=2, processes=2,
                 light_only=True, routing={"prefill": "prefix", **split}),
+        *([Variant("epd kv_aware, 2 hosts x 2 workers", "epd", workers=2, processes=2,
+                   light_only=True, kv_events=True,
+                   routing={"prefill": "kv_aware", **split})] if kv_reader else []),
         Variant("epd round_robin (PD)", "epd", combined=True, routing={}),
         Variant("epd prefix (PD)", "epd", combined=True, routing={"prefill_decode": "prefix"}),
     ]
