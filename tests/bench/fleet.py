@@ -320,16 +320,17 @@ def targets(scenario: Scenario, rows: list[dict[str, Any]]) -> list[str]:
         out.append(f"- Prefill computed{tag}: least for epd-flask `{least['target']}`, "
                    f"{_ratio(least['vs_oracle'])}x the oracle (target ≤ 1.2x: "
                    f"{_verdict(near)}).")
-    hit = {}
-    for name in ("epd prefix", "epd prefix, 2 workers", "epd prefix, 2 hosts x 2 workers"):
-        row = _find(rows, name)
-        if row is not None and row["computed"] + row["cached"]:
-            hit[name] = 100.0 * row["cached"] / (row["computed"] + row["cached"])
-    if "epd prefix" in hit and len(hit) > 1:
-        worst = max(abs(v - hit["epd prefix"]) for v in hit.values())
-        out.append("- Cache hits (cached / prompt tokens at prefill): " + ", ".join(
-            f"`{k}` {v:.1f} %" for k, v in hit.items())
-            + f"; largest gap {worst:.1f} points (target ≤ 5: {_verdict(worst <= 5.0)}).")
+    for policy in ("epd prefix", "epd kv_aware"):
+        hit = {}
+        for name in (policy, f"{policy}, 2 workers", f"{policy}, 2 hosts x 2 workers"):
+            row = _find(rows, name)
+            if row is not None and row["computed"] + row["cached"]:
+                hit[name] = 100.0 * row["cached"] / (row["computed"] + row["cached"])
+        if policy in hit and len(hit) > 1:
+            worst = max(abs(v - hit[policy]) for v in hit.values())
+            out.append("- Cache hits (cached / prompt tokens at prefill): " + ", ".join(
+                f"`{k}` {v:.1f} %" for k, v in hit.items())
+                + f"; largest gap {worst:.1f} points (target ≤ 5: {_verdict(worst <= 5.0)}).")
     if scenario.utilisation is not None:
         ratios = []
         for r in rows:
