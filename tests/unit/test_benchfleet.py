@@ -79,3 +79,15 @@ def test_the_light_scenario_has_no_capacity_line() -> None:
     assert "of capacity" not in lines
     assert light.label == "fleet" and fleet.Scenario("loaded", 1.0, 1.0, 0.8).label == \
         "fleet-loaded"
+
+
+def test_the_model_routes_through_the_proxy_decisions_and_the_sim_costs() -> None:
+    import fleetmodel
+
+    trace = chattrace.generate(chattrace.TraceSpec(seed=14, duration=6.0, rate=3.0))
+    rr = fleetmodel.replay(trace, "round_robin", rate=1000.0)
+    assert rr["computed"] == fleet.round_robin_computed(trace)
+    assert len(rr["ttfts"]) == len(trace) and min(rr["ttfts"]) > 0
+    prefix = fleetmodel.replay(trace, "prefix", rate=1000.0)
+    assert prefix["computed"] < rr["computed"]
+    assert fleetmodel.replay(trace, "ideal", rate=1000.0)["computed"] <= rr["computed"]
