@@ -159,6 +159,40 @@ def event_endpoints(urls: list[str]) -> dict[str, str]:
     return out
 
 
+#: vllm-router's counters of how its cache-aware policies decided, kept in the report: a
+#: kv_aware that never matched a block (it could not tokenize through the instance) balances
+#: load only, and its row must say so.
+ROUTER_COUNTERS = ("vllm_router_prefix_routing_decisions_total",
+                   "vllm_router_kv_routing_inputs_total")
+
+
+def router_counters(url: str) -> dict[str, float]:
+    """``{"prefill:prefix_hit": n, "inputs:tokenize": m, ...}`` from ROUTER_COUNTERS (decisions
+    by stage and outcome, KV inputs by result); {} if the exporter is silent."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return parse_router_counters(resp.read().decode("utf-8", "replace"))
+    except OSError:
+        return {}
+
+
+def parse_router_counters(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith(ROUTER_COUNTERS) or "{" not in line:
+            continue
+        name, _, value = line.rpartition(" ")
+        labels = dict(part.split("=", 1) for part in
+                      name[name.index("{") + 1:name.rindex("}")].replace('"', "").split(","))
+        key = (f"inputs:{labels.get('result')}" if "kv_routing_inputs" in name
+               else f"{labels.get('stage')}:{labels.get('outcome')}")
+        try:
+            out[key] = out.get(key, 0.0) + float(value)
+        except ValueError:
+            continue
+    return out
+
+
 def post(url: str, path: str) -> None:
     req = urllib.request.Request(url + path, data=b"{}", method="POST",
                                  headers={"Content-Type": "application/json"})
@@ -379,6 +413,12 @@ def render(scenario: Scenario, meta: dict[str, Any], rows: list[dict[str, Any]])
             f"{_ms(r['ttft_p99'])} | {_ms(r['itl_p99'])} | {r['computed']} | {r['cached']} | "
             f"{_ratio(r['vs_oracle'])} | {_ratio(r['imbalance'])} | "
             f"{_ratio(r['work_imbalance'])} |")
+    counted = [r for r in rows if r.get("router_counters")]
+    if counted:
+        lines += ["", "vllm-router's own counts of its cache-aware decisions: " + "; ".join(
+            f"`{r['target']}`: " + ", ".join(f"{k} {v:g}" for k, v in
+                                            sorted(r["router_counters"].items()))
+            for r in counted) + "."]
     errors = [(r["target"], r["errors"]) for r in rows if r["errors"]]
     if errors:
         lines += ["", "Errors: " + "; ".join(f"{t}: {e}" for t, e in errors)]
@@ -423,12 +463,14 @@ def start_epd(fleet: Fleet, variant: Variant, roster: Path) -> list[str]:
 
 def start_router(fleet: Fleet, router: str, variant: Variant, prefills: list[str],
                  decodes: list[str], combined: list[str],
-                 events: dict[str, str] | None = None) -> list[str]:
+                 events: dict[str, str] | None = None) -> tuple[list[str], str]:
+    """The router's URL, and where its Prometheus exporter answers."""
     port = free_port()
     # Its Prometheus exporter binds a fixed port by default; a lingering router or another
     # run on the machine would make the next one fail to start.
+    metrics = free_port()
     argv = [router, "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics),
             *variant.router_args]
     events = events if variant.kv_events else None
     if variant.combined:
@@ -446,7 +488,7 @@ def start_router(fleet: Fleet, router: str, variant: Variant, prefills: list[str
     proc = fleet.spawn(f"router-{port}", argv)
     url = f"http://127.0.0.1:{port}"
     wait_up(url + "/health", proc)
-    return [url]
+    return [url], f"http://127.0.0.1:{metrics}/metrics"
 
 
 def run_scenario(scenario: Scenario, args: argparse.Namespace, workdir: Path,
@@ -472,15 +514,19 @@ def run_scenario(scenario: Scenario, args: argparse.Namespace, workdir: Path,
             roster = workdir / f"roster-{scenario.name}-{len(rows)}.yaml"
             roster.write_text(roster_text(fleet["prefill"], fleet["decode"],
                                           fleet["prefill_decode"], variant, events))
-            urls = (start_epd(runners, variant, roster) if variant.kind == "epd"
-                    else start_router(runners, args.router, variant, fleet["prefill"],
-                                      fleet["decode"], fleet["prefill_decode"], events))
+            metrics = ""
+            if variant.kind == "epd":
+                urls = start_epd(runners, variant, roster)
+            else:
+                urls, metrics = start_router(runners, args.router, variant, fleet["prefill"],
+                                             fleet["decode"], fleet["prefill_decode"], events)
             time.sleep(0.5)  # first probes
             for url in fleet["prefill"] + fleet["decode"] + fleet["prefill_decode"]:
                 post(url, "/sim/reset")
             result = replay(urls, trace, args.timeout)
             computing = fleet["prefill_decode"] if variant.combined else fleet["prefill"]
             row = summarize(variant, result, [stats(u) for u in computing], oracle)
+            row["router_counters"] = router_counters(metrics) if metrics else {}
         finally:
             runners.stop()
         rows.append(row)

@@ -91,3 +91,14 @@ def test_the_model_routes_through_the_proxy_decisions_and_the_sim_costs() -> Non
     prefix = fleetmodel.replay(trace, "prefix", rate=1000.0)
     assert prefix["computed"] < rr["computed"]
     assert fleetmodel.replay(trace, "ideal", rate=1000.0)["computed"] <= rr["computed"]
+
+
+def test_vllm_router_counters_say_how_its_cache_aware_policies_decided() -> None:
+    text = ('# TYPE vllm_router_kv_routing_inputs_total counter\n'
+            'vllm_router_prefix_routing_decisions_total{policy="kv_aware",stage="prefill",'
+            'outcome="load_fallback"} 6\n'
+            'vllm_router_kv_routing_inputs_total{transport="pd",result="tokenize"} 12\n'
+            'vllm_router_kv_routing_inputs_total{transport="http",result="tokenize"} 3\n'
+            'vllm_router_policy_decisions_total{policy="round_robin",worker="x"} 6\n')
+    assert fleet.parse_router_counters(text) == {"prefill:load_fallback": 6.0,
+                                                 "inputs:tokenize": 15.0}
