@@ -310,6 +310,10 @@ def _ratio(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}"
 
 
+def _load(values: Any) -> str:
+    return ", ".join(f"{v:.1f}" for v in values)
+
+
 def _div(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
@@ -396,8 +400,8 @@ def render(scenario: Scenario, meta: dict[str, Any], rows: list[dict[str, Any]])
     lines = [
         f"Scenario `{scenario.name}`. Run {meta['started']} - {meta['finished']} on "
         f"{meta['machine']['nproc']} CPUs "
-        f"({meta['machine']['cpu']}), load average before {meta['machine']['load_before']}, "
-        f"after {meta['load_after']}. Trace: {meta['requests']} requests "
+        f"({meta['machine']['cpu']}), load average before {_load(meta['machine']['load_before'])}, "
+        f"after {_load(meta['load_after'])}. Trace: {meta['requests']} requests "
         f"({meta['sessions']} sessions, seed {meta['seed']}, {scenario.duration:g} s, "
         f"{scenario.rate:g} sessions/s), {meta['prompt_tokens']} prompt tokens, an oracle "
         f"with one infinite cache computes {meta['oracle']} of them.{load} vllm-router: "
