@@ -246,9 +246,9 @@ def loaded_figures(figures: dict[str, Any], computed: int, duration: float,
     seconds keep ``instances`` prefills busy ``utilisation`` of the time.
 
     Capacity is measured against the tokens round_robin *computes*, not those the trace
-    offers: a cached token costs the engine nothing, so the offered tokens would put
-    round_robin itself at ~half that utilisation (half of this trace's prompt tokens are
-    cache hits even under round_robin) and the run would not be loaded. With round_robin's
+    offers: a cached token costs the engine nothing, and 70 % of this trace's prompt tokens
+    are cache hits even under round_robin, so sizing on the offered tokens would leave
+    round_robin itself ~25 % busy and the run would not be loaded. With round_robin's
     work as the reference the baseline runs at ``utilisation`` and a policy that computes
     less runs below it unless it concentrates that work on a few instances, which is what
     the 80 % target is about. Only the prefill rate is scaled: the decode figures stay, so
