@@ -1,8 +1,10 @@
 """The life of one upstream connection (docs/behaviour.md#transport): reused while fresh,
 retired before the instance closes it, replayed once on a fresh socket when a reused one turns
-out to be dead, and read past interim (1xx) answers to the final one.
+out to be dead (``http1.py`` does the replay and reads past interim answers).
 
-urllib3 pool and connection subclasses, used only by ``transport.py``. vLLM (uvicorn) closes
+urllib3 pool and connection subclasses, used only as socket containers by ``transport.py`` and
+``http1.py``: urllib3 connects (TLS included) and pools; it never writes a request nor reads an
+answer (``http1.py`` does, ~4x cheaper per call). vLLM (uvicorn) closes
 a keep-alive connection 5 s after its last response (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``); a
 request written into such a connection just as the server closes it dies with nothing
 received. We never hand out a connection idle longer than ``idle_timeout`` (set below the
@@ -13,7 +15,6 @@ connection: the server never read it, so it never ran.
 from __future__ import annotations
 
 import _socket
-import http.client
 import logging
 import socket
 import ssl
@@ -26,13 +27,8 @@ from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 
 from epd_flask.control import settings
-from epd_flask.core import cooperate
-from epd_flask.upstream.responsehead import LeanHTTPResponse
 
 logger = logging.getLogger(__name__)
-
-#: Pieces of a request smaller than this are held and sent together.
-COALESCE_BYTES = 64 * 1024
 
 #: What a socket the server already closed raises when we read the answer to a reused
 #: connection: EOF before a status line (RemoteDisconnected is a ConnectionResetError), an RST,
@@ -49,29 +45,7 @@ MAX_INTERIM_RESPONSES = 16
 class InterimError(Exception):
     """The upstream's answer cannot end this exchange: a ``101`` (we never ask for an upgrade,
     so the connection now speaks something else) or interim answers without end. Not an
-    ``HTTPException``, so urllib3 closes the connection and lets it through unwrapped."""
-
-
-class FinalResponse(LeanHTTPResponse):
-    """http.client's response, reading past every interim answer (RFC 9110 section 15.2), its
-    plain header lines read by ``responsehead``.
-
-    http.client skips only ``100 Continue``: a ``103 Early Hints`` would become the answer, with
-    an empty body, and the connection would go back to the pool with the real answer still
-    coming; the next request on it would read that one as its own.
-    """
-
-    def _read_status(self) -> tuple[str, int, str]:
-        for _ in range(MAX_INTERIM_RESPONSES + 1):
-            version, status, reason = super()._read_status()  # type: ignore[misc]
-            if status == http.client.SWITCHING_PROTOCOLS:
-                raise InterimError("answered 101 Switching Protocols to a request that asked "
-                                   "for no upgrade")
-            if not 100 <= status < 200:
-                return version, status, reason
-            http.client._read_headers(self.fp)  # type: ignore[attr-defined]
-        raise InterimError(f"sent more than {MAX_INTERIM_RESPONSES} interim answers and no "
-                           "final one")
+    ``HTTPException``: the connection is closed and the error goes through unwrapped."""
 
 
 @dataclass
@@ -92,14 +66,11 @@ class Lifecycle:
         return (self._clock() if now is None else now) - idle_since >= self.idle_timeout
 
 
-class _ReplayOnStale:
-    """Mixin for urllib3 connections: count requests per socket; replay a request once when
-    a reused socket dies before the first byte of the answer."""
+class _Counted:
+    """Mixin for urllib3 connections: count sockets opened and requests per socket (a request
+    on a socket that already carried one may meet a server that closed it: ``http1.py``)."""
 
-    response_class = FinalResponse
     _uses = 0
-    _replay: tuple[Any, ...] | None = None
-    _pending: list[bytes] | None = None
     lifecycle: Lifecycle | None = None
 
     def connect(self) -> None:
@@ -108,75 +79,8 @@ class _ReplayOnStale:
         if self.lifecycle is not None:
             self.lifecycle.opened += 1
 
-    def request(self, method: str, url: str, body: Any = None, headers: Any = None,
-                **kw: Any) -> None:
-        reused = self.sock is not None and self._uses > 0  # type: ignore[attr-defined]
-        replayable = body is None or isinstance(body, (bytes, bytearray))
-        self._replay = ((method, url, body, headers, kw, self.timeout)  # type: ignore[attr-defined]
-                        if reused and replayable else None)
-        try:
-            self._send_coalesced(method, url, body, headers, kw)
-        finally:
-            self._uses += 1
 
-    def _send_coalesced(self, method: str, url: str, body: Any, headers: Any,
-                        kw: dict[str, Any]) -> None:
-        """One request in as few ``send()`` calls as its size allows.
-
-        http.client writes the header block and urllib3 the body in separate sends; on
-        loopback each first send wakes the receiver and costs as much as the rest of the call
-        (profile of a32: sends were a third of the worker's CPU). Small pieces are held and
-        written together at the end; a large body goes out in slices with the loop handed
-        back between them, so other streams on the worker keep flowing while it is sent.
-        """
-        self._pending = []
-        try:
-            super().request(method, url, body=body, headers=headers, **kw)  # type: ignore[misc]
-            pending, self._pending = self._pending, None
-            if pending:
-                super().send(b"".join(pending))  # type: ignore[misc]
-        finally:
-            self._pending = None
-
-    def send(self, data: Any) -> None:
-        pending = self._pending
-        if pending is not None and isinstance(data, (bytes, bytearray)):
-            if len(data) < COALESCE_BYTES:
-                pending.append(bytes(data))
-                return
-            if pending:
-                self._pending = []
-                super().send(b"".join(pending))  # type: ignore[misc]
-            view = memoryview(data)
-            for start in range(0, len(view), cooperate.LARGE_BYTES):
-                super().send(view[start:start + cooperate.LARGE_BYTES])  # type: ignore[misc]
-                cooperate.after_step(cooperate.LARGE_BYTES)
-            return
-        super().send(data)  # type: ignore[misc]
-
-    def getresponse(self) -> Any:
-        try:
-            return super().getresponse()  # type: ignore[misc]
-        except STALE_ERRORS as exc:
-            replay, self._replay = self._replay, None
-            if replay is None:
-                raise
-            method, url, body, headers, kw, connect_timeout = replay
-            logger.info("upstream %s:%s closed a reused connection before answering (%s); "
-                        "sending the request again on a new connection",
-                        self.host, self.port, type(exc).__name__)  # type: ignore[attr-defined]
-            if self.lifecycle is not None:
-                self.lifecycle.replayed += 1
-            read_timeout = self.timeout  # type: ignore[has-type]
-            self.close()  # type: ignore[attr-defined]
-            self.timeout = connect_timeout
-            self._send_coalesced(method, url, body, headers, kw)
-            self._uses = 1
-            self.timeout = read_timeout
-            return super().getresponse()  # type: ignore[misc]
-
-
-class ReplayingHTTPConnection(_ReplayOnStale, HTTPConnection):
+class ReplayingHTTPConnection(_Counted, HTTPConnection):
     @property
     def is_connected(self) -> bool:
         """urllib3 asks this of every reused connection; its answer is a zero-timeout poll,
@@ -196,7 +100,7 @@ class ReplayingHTTPConnection(_ReplayOnStale, HTTPConnection):
         return False
 
 
-class ReplayingHTTPSConnection(_ReplayOnStale, HTTPSConnection):
+class ReplayingHTTPSConnection(_Counted, HTTPSConnection):
     pass
 
 

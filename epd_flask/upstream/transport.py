@@ -1,9 +1,10 @@
 """The only place that talks HTTP to upstream instances.
 
-urllib3 connection pools, one per instance and per worker (built after fork, in the worker),
-called directly: ``requests`` cost two thirds of every upstream call's CPU for features a proxy
-does not use (cookies, hooks, environment proxies, redirects). Explicit timeouts on every call,
-TLS trust from ``tls.py``, connection lifecycle from ``pools.py``, and one mapping from
+One connection pool per instance and per worker (built after fork, in the worker): urllib3
+keeps the sockets, ``http1.py`` writes each request and reads its answer with a C parser
+(urllib3's ``urlopen`` and http.client cost ~4x more CPU per call; ``requests`` before them
+cost two thirds of every call for features a proxy does not use). Explicit timeouts on every
+call, TLS trust from ``tls.py``, connection lifecycle from ``pools.py``, and one mapping from
 transport failures to the error taxonomy. Bodies are left unread so the relay can forward
 bytes as they arrive.
 """
@@ -27,7 +28,7 @@ from urllib3.exceptions import (
     ReadTimeoutError,
     SSLError,
 )
-from urllib3.util import Retry, Timeout, parse_url
+from urllib3.util import parse_url
 
 from epd_flask import __version__
 from epd_flask.control import settings
@@ -42,7 +43,7 @@ from epd_flask.core.errors import (
     instance_label,
 )
 from epd_flask.core.periodic import Periodic
-from epd_flask.upstream import chunked
+from epd_flask.upstream import http1
 from epd_flask.upstream.pools import (
     InterimError,
     Lifecycle,
@@ -57,17 +58,9 @@ DEFAULT_POOL_MAXSIZE: int = settings.default("EPD_POOL_MAXSIZE")
 #: Distinct instances (pools) kept; beyond this the least recently used pool is closed.
 POOL_COUNT = 256
 DEFAULT_IDLE_TIMEOUT: float = settings.default("EPD_UPSTREAM_IDLE_TIMEOUT")
-#: The most one socket read takes; a relayed chunk is whatever one read brought.
-RELAY_READ_SIZE = 65536
 MAX_ERROR_BODY = 1 << 20
-#: Distinct read timeouts whose urllib3 ``Timeout`` is kept (what is left of a total
-#: deadline differs on every call, so those are built fresh).
-TIMEOUTS_KEPT = 64
 #: How often idle connections past their time are closed; never slower than a second.
 MAX_SWEEP_INTERVAL = 1.0
-#: A proxy never follows redirects nor retries by itself (``pools.py`` replays the one safe
-#: case); one immutable policy shared by every call.
-NO_RETRIES = Retry(total=False, redirect=False, raise_on_redirect=False)
 
 
 class Upstream:
@@ -79,7 +72,7 @@ class Upstream:
 
     __slots__ = ("content", "deadline", "headers", "raw", "status_code", "timeouts", "url")
 
-    def __init__(self, raw: urllib3.BaseHTTPResponse, url: str,
+    def __init__(self, raw: http1.Response, url: str,
                  timeouts: tuple[float | None, float | None],
                  deadline: Deadline | None = None) -> None:
         self.raw = raw
@@ -92,14 +85,10 @@ class Upstream:
 
     @property
     def complete(self) -> bool:
-        fp = self.raw._fp  # type: ignore[attr-defined]  # http.client's response
-        return fp is None or fp.isclosed()
+        return self.raw.complete
 
     def close(self) -> None:
-        raw = self.raw
-        if not self.complete:
-            raw.close()
-        raw.release_conn()
+        self.raw.release()
 
 
 class Deadline:
@@ -140,7 +129,6 @@ class Transport:
         self.trust = TrustStore(tls or TLSFiles())
         self._tls_generation = self.trust.generation
         self._pools: OrderedDict[tuple[str, str], Any] = OrderedDict()
-        self._timeouts: dict[float | None, Timeout] = {}
         self.headers = {"User-Agent": f"epd-flask/{__version__}",
                         "Accept-Encoding": "identity"}
         if not keepalive:
@@ -159,7 +147,8 @@ class Transport:
         return sum(pool.sweep() for pool in list(self._pools.values()))
 
     def _pool(self, url: str) -> tuple[Any, str]:
-        """The pool for ``url``'s instance and the request target (path and query)."""
+        """The pool for ``url``'s instance and the request target (path and query); the
+        pool's ``host_header`` is what the requests to it say in ``Host``."""
         scheme, _, rest = url.partition("://")
         hostport, slash, path = rest.partition("/")
         context = None
@@ -184,21 +173,21 @@ class Transport:
     def _new_pool(self, url: str, scheme: str, context: Any) -> Any:
         parts = parse_url(url)
         kw: dict[str, Any] = {"maxsize": self.pool_maxsize, "block": False,
-                              "lifecycle": self.lifecycle, "retries": NO_RETRIES}
+                              "lifecycle": self.lifecycle}
         if scheme == "https":
             kw.update(ssl_context=context, cert_reqs="CERT_REQUIRED")
-            return RetiringHTTPSConnectionPool(parts.host, parts.port, **kw)
-        if scheme != "http":
+            pool = RetiringHTTPSConnectionPool(parts.host, parts.port, **kw)
+        elif scheme == "http":
+            pool = RetiringHTTPConnectionPool(parts.host, parts.port, **kw)
+        else:
             raise urllib3.exceptions.LocationValueError(f"unsupported scheme {scheme!r}")
-        return RetiringHTTPConnectionPool(parts.host, parts.port, **kw)
-
-    def _timeout(self, read_timeout: float | None) -> Timeout:
-        timeout = self._timeouts.get(read_timeout)
-        if timeout is None:
-            timeout = Timeout(connect=self.connect_timeout, read=read_timeout)
-            if len(self._timeouts) < TIMEOUTS_KEPT:
-                self._timeouts[read_timeout] = timeout
-        return timeout
+        # As http.client wrote it: brackets around an IPv6 address, no default port.
+        host = (parts.host or "").rstrip(".")
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        pool.host_header = host if pool.port == pool.ConnectionCls.default_port \
+            else f"{host}:{pool.port}"
+        return pool
 
     def send(
         self,
@@ -225,12 +214,11 @@ class Transport:
                              else (read_timeout, False))
         try:
             pool, target = self._pool(url)
-            raw = pool.urlopen(
-                method, target, body=body, headers={**self.headers, **headers},
-                retries=NO_RETRIES, redirect=False, assert_same_host=False,
-                timeout=self._timeout(wait), preload_content=False,
-                decode_content=False, release_conn=False,
-            )
+            head = http1.request_head(method, target, pool.host_header,
+                                      {**self.headers, **headers}, body)
+            raw = http1.exchange(pool, url, method, head, body,
+                                 connect_timeout=self.connect_timeout, read_timeout=wait,
+                                 lifecycle=self.lifecycle)
         except Exception as exc:
             if by_deadline and deadline is not None and isinstance(exc, ReadTimeoutError):
                 raise _total_timeout(stage, url, deadline) from exc
@@ -342,13 +330,13 @@ class Transport:
         try:
             if deadline is not None:
                 wait, by_deadline = deadline.bound(read_timeout)
-                _set_read_timeout(resp.raw, wait)
+                resp.raw.settimeout(wait)
             for piece in _pieces(resp.raw):
                 if deadline is not None:
                     wait, by_deadline = deadline.bound(chunk_timeout)
-                    _set_read_timeout(resp.raw, wait)
+                    resp.raw.settimeout(wait)
                 elif first and chunk_timeout is not None:
-                    _set_read_timeout(resp.raw, chunk_timeout)
+                    resp.raw.settimeout(chunk_timeout)
                 first = False
                 yield piece
         except (ReadTimeoutError, TimeoutError) as exc:
@@ -378,58 +366,17 @@ class Transport:
         self._close_pools()
 
 
-def _pieces(raw: urllib3.BaseHTTPResponse) -> Iterator[bytes]:
-    """The body from http.client's buffered socket reader, one read at a time.
-
-    ``read1`` returns what is already buffered, or what one ``recv`` brings: never waits for
-    more than is there. Chunked framing is removed here, in one pass over each read, instead
-    of a ``readline`` and two reads per chunk.
-    """
-    response = raw._fp  # type: ignore[attr-defined]  # http.client.HTTPResponse
-    if response is None or response.isclosed():
-        return
-    if not raw.chunked:
-        while response.length is None or response.length > 0:
-            piece = response.read1(RELAY_READ_SIZE)
-            if not piece:
-                if response.length is None:
-                    break  # a body delimited by the connection's end
-                raise ProtocolError(f"the connection closed {response.length} bytes before "
-                                    "the end of the body")
-            yield piece
-        response.close()  # complete: the connection may be reused
-        return
-    reader = response.fp
-    decoder = chunked.Decoder()
-    while not decoder.done:
-        data = reader.read1(RELAY_READ_SIZE)
-        if not data:
-            raise ProtocolError("the connection closed before the last chunk")
-        piece = decoder.feed(data)
-        if piece:
-            yield piece
-    response.close()  # the body is complete: the connection may be reused
+def _pieces(raw: http1.Response) -> Iterator[bytes]:
+    """The body one socket read at a time: ``read1`` returns what is already parsed, or what
+    one ``recv`` brings; it never waits for more than is there."""
+    while piece := raw.read1():
+        yield piece
 
 
 def _total_timeout(stage: str, url: str, deadline: Deadline) -> BackendTimeout:
     return BackendTimeout(f"{_name(stage, url)} did not finish within "
                           f"{deadline.seconds:g} s ({stage} total timeout)",
                           stage=stage, instance=_origin(url))
-
-
-def _set_read_timeout(raw: Any, seconds: float | None) -> None:
-    """From now on each socket read of this response may wait ``seconds``.
-
-    The socket is found through the response's own reader: for an answer that ends with the
-    connection (no length, or ``Connection: close``) http.client has already detached it
-    from the connection object, whose ``sock`` is then None.
-    """
-    fp = getattr(raw, "_fp", None)  # http.client.HTTPResponse
-    sock = getattr(getattr(getattr(fp, "fp", None), "raw", None), "_sock", None)
-    if sock is None:
-        sock = getattr(getattr(raw, "connection", None), "sock", None)
-    if sock is not None:
-        sock.settimeout(seconds)
 
 
 def encode_json(doc: Any) -> bytes:

@@ -1,6 +1,7 @@
 """The transport's mapping of failures to the error taxonomy, against small fake servers on
 loopback that misbehave in exactly one way each (refuse, never accept, never answer, answer an
-error, answer garbage, cut a body short), and the chunked decoder the relay reads through."""
+error, answer garbage, cut a body short or frame it wrong), and chunked bodies however
+they arrive."""
 
 from __future__ import annotations
 
@@ -9,10 +10,8 @@ from collections.abc import Callable, Iterator
 
 import gevent
 import pytest
-from urllib3.exceptions import ProtocolError
 
 from epd_flask.core import errors
-from epd_flask.upstream.chunked import Decoder
 from epd_flask.upstream.transport import Transport
 from tests.helpers import free_port
 
@@ -210,40 +209,70 @@ def test_a_complete_body_gives_its_connection_back_and_an_abandoned_one_closes_i
     transport.close()
 
 
-# -- the chunked decoder --------------------------------------------------------------------
+# -- chunked bodies --------------------------------------------------------------------------
 
 EVENTS = [b'data: {"token": "caf\xc3\xa9"}\n\n', b"data: [DONE]\n\n"]
 BODY = (b"%x\r\n%s\r\n" % (len(EVENTS[0]), EVENTS[0])
         + b"%x;ext=1\r\n%s\r\n" % (len(EVENTS[1]), EVENTS[1])
         + b"0\r\nX-Trailer: yes\r\n\r\n")
+CHUNKED_HEAD = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
 
 
-def test_everything_that_arrived_together_comes_out_at_once() -> None:
-    d = Decoder()
-    assert d.feed(BODY) == b"".join(EVENTS)
-    assert d.done
+def in_slices(raw: bytes, size: int, pause: float = 0.002) -> Handler:
+    """Answers every request with ``raw``, written ``size`` bytes at a time."""
+    def handle(conn: socket.socket) -> None:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        while _read_request(conn):
+            for i in range(0, len(raw), size):
+                conn.sendall(raw[i:i + size])
+                gevent.sleep(pause)
+    return handle
 
 
-@pytest.mark.parametrize("size", [1, 2, 3, 5, 7])
-def test_framing_split_anywhere_decodes_the_same(size: int) -> None:
-    d = Decoder()
-    out = b"".join(d.feed(BODY[i:i + size]) for i in range(0, len(BODY), size))
-    assert out == b"".join(EVENTS)
-    assert d.done
+def test_events_that_arrived_together_come_out_at_once(server) -> None:
+    url = server(answer(CHUNKED_HEAD + BODY, then_wait=1))
+    transport = Transport()
+    resp = send(transport, url)
+    assert list(transport.iter_raw(resp, "decode")) == [b"".join(EVENTS)]
+    assert resp.complete
+    transport.close()
 
 
-def test_a_chunk_is_forwarded_before_its_end_arrives() -> None:
-    d = Decoder()
-    assert d.feed(b"a\r\nhello") == b"hello"
-    assert d.feed(b"world\r\n") == b"world"
-    assert not d.done
+@pytest.mark.parametrize("size", [1, 3, 7])
+def test_framing_split_anywhere_decodes_the_same(server, size: int) -> None:
+    url = server(in_slices(CHUNKED_HEAD + BODY, size))
+    transport = Transport()
+    for _ in range(2):  # and the connection is reused: the trailer was read to its end
+        assert transport.read_body(send(transport, url), "decode") == b"".join(EVENTS)
+    assert transport.lifecycle.opened == 1
+    transport.close()
+
+
+def test_a_chunk_is_forwarded_before_its_end_arrives(server) -> None:
+    def handle(conn: socket.socket) -> None:
+        _read_request(conn)
+        conn.sendall(CHUNKED_HEAD + b"a\r\nhello")
+        gevent.sleep(0.3)
+        conn.sendall(b"world\r\n0\r\n\r\n")
+        gevent.sleep(1)
+
+    transport = Transport()
+    resp = send(transport, server(handle))
+    pieces = transport.iter_raw(resp, "decode")
+    assert next(pieces) == b"hello"
+    assert list(pieces) == [b"world"]
+    transport.close()
 
 
 @pytest.mark.parametrize("bad", [b"x\r\n", b"-1\r\n", b"0x5\r\nhello\r\n",
-                                 b"5\r\nhelloXX", b"5" * 5000])
-def test_malformed_framing_is_refused(bad: bytes) -> None:
-    with pytest.raises(ProtocolError):
-        Decoder().feed(bad)
+                                 b"5\r\nhelloXX\r\n", b"5" * 5000 + b"\r\n"])
+def test_malformed_framing_is_an_interrupted_stream(server, bad: bytes) -> None:
+    url = server(answer(CHUNKED_HEAD + bad, then_wait=1))
+    transport = Transport()
+    resp = send(transport, url)
+    with pytest.raises(errors.StreamInterrupted):
+        transport.read_body(resp, "decode")
+    transport.close()
 
 
 def test_a_large_body_arrives_whole(server) -> None:

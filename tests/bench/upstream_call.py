@@ -1,0 +1,126 @@
+"""CPU time of one upstream call through the transport, on a kept-alive loopback connection.
+
+    python tests/bench/upstream_call.py [--calls 2000] [--repeats 7]
+
+The answering server runs in a child process (a plain Python without gevent, a canned answer shaped
+like vLLM's non-stream completion), so ``time.thread_time`` in this process counts only the
+client's side: building and writing the request, reading and parsing the answer, handing the
+connection back. Reported: the minimum over the repeats of the mean per call (the busy
+machine's noise only ever adds), for ``Transport.send`` + ``read_body`` and, as the floor, the
+same bytes written and read on a raw socket.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+ANSWER_BODY = json.dumps({
+    "id": "cmpl-0123456789abcdef", "object": "text_completion", "created": 1764600000,
+    "model": "tiny", "choices": [{"index": 0, "text": " the quick brown fox jumps over",
+                                  "logprobs": None, "finish_reason": "length"}],
+    "usage": {"prompt_tokens": 12, "total_tokens": 28, "completion_tokens": 16},
+}).encode()
+ANSWER = (b"HTTP/1.1 200 OK\r\ndate: Tue, 01 Dec 2026 18:00:00 GMT\r\nserver: uvicorn\r\n"
+          b"content-length: %d\r\ncontent-type: application/json\r\n\r\n%s"
+          % (len(ANSWER_BODY), ANSWER_BODY))
+REQUEST_BODY = json.dumps({"model": "tiny", "prompt": "the quick brown fox", "max_tokens": 16,
+                           "stream": False}).encode()
+HEADERS = {"X-Request-Id": "0123456789abcdef0123456789abcdef",
+           "Content-Type": "application/json"}
+
+
+def serve(listener: socket.socket) -> None:
+    while True:
+        conn, _ = listener.accept()
+        threading.Thread(target=answer, args=(conn,), daemon=True).start()
+
+
+def answer(conn: socket.socket) -> None:
+    buf = b""
+    while True:
+        head_end = buf.find(b"\r\n\r\n")
+        if head_end < 0:
+            data = conn.recv(65536)
+            if not data:
+                break
+            buf += data
+            continue
+        head = buf[:head_end].lower()
+        length = 0
+        if b"content-length:" in head:
+            length = int(head.split(b"content-length:")[1].split(b"\r\n")[0])
+        while len(buf) < head_end + 4 + length:
+            buf += conn.recv(65536)
+        buf = buf[head_end + 4 + length:]
+        conn.sendall(ANSWER)
+    conn.close()
+
+
+def per_call(call, calls: int, repeats: int) -> float:
+    for _ in range(min(calls, 200)):
+        call()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.thread_time()
+        for _ in range(calls):
+            call()
+        best = min(best, (time.thread_time() - start) / calls)
+    return best * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.serve:
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        print(listener.getsockname()[1], flush=True)
+        serve(listener)
+        return
+    child = subprocess.Popen([sys.executable, __file__, "--serve"], stdout=subprocess.PIPE)
+    assert child.stdout is not None
+    port = int(child.stdout.readline())
+    from gevent import monkey
+    monkey.patch_all()
+
+    from epd_flask.upstream.transport import Transport
+    transport = Transport()
+    url = f"http://127.0.0.1:{port}/v1/completions"
+
+    def through_transport() -> None:
+        resp = transport.send("POST", url, stage="decode", headers=HEADERS, body=REQUEST_BODY,
+                              read_timeout=10.0, chunk_timeout=10.0, stream=False)
+        assert resp.status_code == 200 and resp.content == ANSWER_BODY
+
+    raw = socket.create_connection(("127.0.0.1", port))
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:%d\r\n"
+               b"Content-Length: %d\r\n\r\n%s" % (port, len(REQUEST_BODY), REQUEST_BODY))
+
+    def raw_socket() -> None:
+        raw.sendall(request)
+        got = 0
+        while got < len(ANSWER):
+            got += len(raw.recv(65536))
+
+    print(f"Transport.send + read_body: {per_call(through_transport, args.calls, args.repeats):.1f}"
+          " us CPU per call")
+    print(f"raw socket, same bytes:     {per_call(raw_socket, args.calls, args.repeats):.1f}"
+          " us CPU per call")
+    raw.close()
+    transport.close()
+    child.kill()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,230 @@
+"""The upstream HTTP/1.1 exchange as an instance and the proxy's callers see it: the exact
+request bytes, what each misbehaving answer turns into (class and client message, the same as
+when urllib3 and http.client carried the calls), when a connection is kept for the next
+request, and the answer's header fields."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable, Iterator
+
+import gevent
+import pytest
+
+from epd_flask import __version__
+from epd_flask.core import errors
+from epd_flask.upstream.transport import Transport
+
+Handler = Callable[[socket.socket], None]
+OK = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 2\r\n\r\nok"
+
+
+@pytest.fixture
+def server() -> Iterator[Callable[[Handler], tuple[str, list[socket.socket]]]]:
+    """``server(handler)``: a loopback listener running ``handler`` on each connection; gives
+    its URL and the list of connections it accepted."""
+    listeners: list[socket.socket] = []
+    greenlets: list[gevent.Greenlet] = []
+
+    def start(handler: Handler) -> tuple[str, list[socket.socket]]:
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        listeners.append(listener)
+        accepted: list[socket.socket] = []
+
+        def serve() -> None:
+            while True:
+                conn, _ = listener.accept()
+                accepted.append(conn)
+                greenlets.append(gevent.spawn(_run, handler, conn))
+
+        greenlets.append(gevent.spawn(serve))
+        return f"http://127.0.0.1:{listener.getsockname()[1]}", accepted
+
+    yield start
+    gevent.killall(greenlets, timeout=1)
+    for listener in listeners:
+        listener.close()
+
+
+def _run(handler: Handler, conn: socket.socket) -> None:
+    try:
+        handler(conn)
+    finally:
+        conn.close()
+
+
+def _read_request(conn: socket.socket) -> bytes:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        part = conn.recv(65536)
+        if not part:
+            return data
+        data += part
+    head, _, body = data.partition(b"\r\n\r\n")
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            while len(body) < int(line.split(b":")[1]):
+                body += conn.recv(65536)
+    return data
+
+
+def answering(*answers: bytes, then_wait: float = 1.0,
+              seen: list[bytes] | None = None) -> Handler:
+    """Answers the n-th request on a connection with ``answers[n]``."""
+    def handle(conn: socket.socket) -> None:
+        for raw in answers:
+            request = _read_request(conn)
+            if not request:
+                return
+            if seen is not None:
+                seen.append(request)
+            conn.sendall(raw)
+        gevent.sleep(then_wait)
+    return handle
+
+
+def call(transport: Transport, url: str, method: str = "POST", body: bytes | None = b"{}",
+         headers: dict[str, str] | None = None) -> bytes:
+    resp = transport.send(method, url + "/v1/completions", stage="decode",
+                          headers=headers or {}, body=body, read_timeout=2)
+    return transport.read_body(resp, "decode")
+
+
+# -- the request as the instance receives it ------------------------------------------------
+
+def test_the_request_bytes(server) -> None:
+    seen: list[bytes] = []
+    url, _ = server(answering(OK, OK, OK, seen=seen))
+    port = url.rsplit(":", 1)[1]
+    transport = Transport()
+    call(transport, url, headers={"X-Request-Id": "abc", "Content-Type": "application/json"})
+    call(transport, url, method="GET", body=None)
+    call(transport, url, body=None)
+    agent = f"User-Agent: epd-flask/{__version__}\r\nAccept-Encoding: identity\r\n".encode()
+    assert seen == [
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:%s\r\nContent-Length: 2\r\n%s"
+        b"X-Request-Id: abc\r\nContent-Type: application/json\r\n\r\n{}" % (port.encode(), agent),
+        b"GET /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:%s\r\n%s\r\n" % (port.encode(), agent),
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:%s\r\nContent-Length: 0\r\n%s\r\n"
+        % (port.encode(), agent),
+    ]
+    transport.close()
+
+
+@pytest.mark.parametrize("value", ["a\r\nX-Injected: 1", "a\nb", "a\rb"])
+def test_a_header_that_would_split_the_request_is_refused_unsent(server, value: str) -> None:
+    seen: list[bytes] = []
+    url, _ = server(answering(OK, seen=seen))
+    transport = Transport()
+    with pytest.raises(errors.BackendError) as info:
+        call(transport, url, headers={"X-Custom": value})
+    assert info.value.message == (f"decode instance {errors.instance_label(url)} failed: "
+                                  "ValueError")
+    gevent.sleep(0.05)
+    assert seen == []
+    transport.close()
+
+
+# -- what each failure becomes --------------------------------------------------------------
+
+def _reset(conn: socket.socket) -> None:
+    _read_request(conn)
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+
+
+@pytest.mark.parametrize("handler, kind, words", [
+    (answering(b"SSH-2.0-OpenSSH_9.6\r\n"), errors.BackendUnavailable,
+     "is unreachable: ProtocolError"),
+    (answering(b"", then_wait=0), errors.BackendUnavailable, "is unreachable: ProtocolError"),
+    (answering(b"HTTP/1.1 200 OK\r\nContent-Le", then_wait=0), errors.BackendUnavailable,
+     "is unreachable: ProtocolError"),
+    (_reset, errors.BackendUnavailable, "is unreachable: Connection reset by peer"),
+    (answering(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\n\r\n"),
+     errors.BackendError, "answered 101 Switching Protocols to a request that asked for no "
+                          "upgrade"),
+], ids=["not http", "closed without answering", "closed mid-head", "reset", "101"])
+def test_each_failure_keeps_its_class_and_message(server, handler: Handler,
+                                                  kind: type, words: str) -> None:
+    url, _ = server(handler)
+    transport = Transport()
+    with pytest.raises(errors.BackendError) as info:
+        call(transport, url)
+    assert type(info.value) is kind
+    assert info.value.message == f"decode instance {errors.instance_label(url)} {words}"
+    assert info.value.stage == "decode"
+    transport.close()
+
+
+def test_a_total_deadline_bounds_the_wait_for_the_head(server) -> None:
+    url, _ = server(answering(b"HTTP/1.1 200 OK\r\n", then_wait=2))
+    transport = Transport()
+    with pytest.raises(errors.BackendTimeout) as info:
+        transport.send("POST", url, stage="prefill", headers={}, body=b"{}", read_timeout=5,
+                       total_timeout=0.2)
+    assert info.value.message == (f"prefill instance {errors.instance_label(url)} did not "
+                                  "finish within 0.2 s (prefill total timeout)")
+    transport.close()
+
+
+# -- when a connection carries the next request ---------------------------------------------
+
+@pytest.mark.parametrize("first, reused", [
+    (OK, True),
+    (b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok", False),
+    (b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok", False),
+    (b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nContent-Length: 2\r\n\r\nok", True),
+    (b"HTTP/1.1 204 No Content\r\n\r\n", True),
+    (OK + b"HTTP/1.1 200 OK\r\n", False),  # more than the answer: the stream is out of step
+], ids=["keep-alive", "connection close", "http/1.0", "http/1.0 keep-alive", "204",
+        "trailing bytes"])
+def test_a_connection_is_reused_only_when_the_server_keeps_it(server, first: bytes,
+                                                              reused: bool) -> None:
+    def handle(conn: socket.socket) -> None:
+        _read_request(conn)
+        conn.sendall(first)
+        if reused:
+            answering(OK)(conn)
+        else:
+            gevent.sleep(1)
+
+    url, accepted = server(handle)
+    transport = Transport()
+    call(transport, url)
+    assert call(transport, url) == b"ok"
+    assert len(accepted) == (1 if reused else 2)
+    transport.close()
+
+
+def test_a_body_delimited_by_the_connection_end_is_read_to_it(server) -> None:
+    def handle(conn: socket.socket) -> None:
+        _read_request(conn)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\nfirst ")
+        gevent.sleep(0.05)
+        conn.sendall(b"second")
+
+    url, accepted = server(handle)
+    transport = Transport()
+    assert call(transport, url) == b"first second"
+    assert call(transport, url) == b"first second"
+    assert len(accepted) == 2
+    transport.close()
+
+
+# -- the answer's header fields -------------------------------------------------------------
+
+def test_header_fields_by_any_spelling_and_in_the_order_sent(server) -> None:
+    url, _ = server(answering(
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nX-Trace:  a \r\n"
+        b"Vary: Accept\r\nvary: Origin\r\nContent-Length: 2\r\n\r\n{}"))
+    transport = Transport()
+    resp = transport.send("POST", url, stage="decode", headers={}, body=b"{}", read_timeout=2)
+    assert resp.headers.get("Content-Type") == "application/json"
+    assert resp.headers.get("VARY") == "Accept, Origin"
+    assert resp.headers.get("missing", "") == ""
+    assert list(resp.headers.items()) == [("content-type", "application/json"), ("X-Trace", "a "),
+                                    ("Vary", "Accept"), ("Vary", "Origin"),
+                                    ("Content-Length", "2")]
+    assert transport.read_body(resp, "decode") == b"{}"
+    transport.close()
