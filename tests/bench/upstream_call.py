@@ -7,7 +7,8 @@ like vLLM's non-stream completion), so ``time.thread_time`` in this process coun
 client's side: building and writing the request, reading and parsing the answer, handing the
 connection back. Reported: the minimum over the repeats of the mean per call (the busy
 machine's noise only ever adds), for ``Transport.send`` + ``read_body`` and, as the floor, the
-same bytes written and read on a raw socket.
+same bytes written and read on a raw socket; and per event of a streamed answer read through
+``iter_raw`` (the slope between a short and a long stream, so the call's set-up drops out).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 ANSWER_BODY = json.dumps({
     "id": "cmpl-0123456789abcdef", "object": "text_completion", "created": 1764600000,
@@ -29,6 +31,11 @@ ANSWER_BODY = json.dumps({
 ANSWER = (b"HTTP/1.1 200 OK\r\ndate: Tue, 01 Dec 2026 18:00:00 GMT\r\nserver: uvicorn\r\n"
           b"content-length: %d\r\ncontent-type: application/json\r\n\r\n%s"
           % (len(ANSWER_BODY), ANSWER_BODY))
+EVENT = (b'data: {"id":"cmpl-0123456789abcdef","object":"text_completion","created":1764600000,'
+         b'"model":"tiny","choices":[{"index":0,"text":" fox","logprobs":null,'
+         b'"finish_reason":null}]}\n\n')
+EVENT_GAP = 0.0003
+SHORT, LONG = 10, 110
 REQUEST_BODY = json.dumps({"model": "tiny", "prompt": "the quick brown fox", "max_tokens": 16,
                            "stream": False}).encode()
 HEADERS = {"X-Request-Id": "0123456789abcdef0123456789abcdef",
@@ -58,8 +65,23 @@ def answer(conn: socket.socket) -> None:
         while len(buf) < head_end + 4 + length:
             buf += conn.recv(65536)
         buf = buf[head_end + 4 + length:]
-        conn.sendall(ANSWER)
+        if head.startswith(b"post /stream/"):
+            stream(conn, int(head.split(b" ", 2)[1].rsplit(b"/", 1)[1]))
+        else:
+            conn.sendall(ANSWER)
     conn.close()
+
+
+def stream(conn: socket.socket, events: int) -> None:
+    """A chunked SSE stream, one event per chunk and per send, a little apart (as decode's
+    tokens): each is one read for the client."""
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
+                 b"transfer-encoding: chunked\r\n\r\n")
+    for _ in range(events):
+        time.sleep(EVENT_GAP)
+        conn.sendall(b"%x\r\n%s\r\n" % (len(EVENT), EVENT))
+    conn.sendall(b"0\r\n\r\n")
 
 
 def per_call(call, calls: int, repeats: int) -> float:
@@ -103,6 +125,22 @@ def main() -> None:
                               read_timeout=10.0, chunk_timeout=10.0, stream=False)
         assert resp.status_code == 200 and resp.content == ANSWER_BODY
 
+    reads = [0, 0]  # pieces read, events in them
+
+    def streamed(events: int) -> Callable[[], None]:
+        def run() -> None:
+            resp = transport.send("POST", f"http://127.0.0.1:{port}/stream/{events}",
+                                  stage="decode", headers=HEADERS, body=REQUEST_BODY,
+                                  read_timeout=10.0, chunk_timeout=10.0)
+            got = 0
+            for piece in transport.iter_raw(resp, "decode"):
+                got += piece.count(b"data: ")
+                reads[0] += 1
+            reads[1] += got
+            resp.close()
+            assert got == events
+        return run
+
     raw = socket.create_connection(("127.0.0.1", port))
     request = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:%d\r\n"
                b"Content-Length: %d\r\n\r\n%s" % (port, len(REQUEST_BODY), REQUEST_BODY))
@@ -117,6 +155,11 @@ def main() -> None:
           " us CPU per call")
     print(f"raw socket, same bytes:     {per_call(raw_socket, args.calls, args.repeats):.1f}"
           " us CPU per call")
+    short = per_call(streamed(SHORT), max(args.calls // 100, 3), args.repeats)
+    long = per_call(streamed(LONG), max(args.calls // 100, 3), args.repeats)
+    print(f"one streamed event read:    {(long - short) / (LONG - SHORT):.1f} us CPU per event "
+          f"(slope between {SHORT}- and {LONG}-event streams; {reads[0] / max(reads[1], 1):.2f}"
+          " reads per event)")
     raw.close()
     transport.close()
     child.kill()
