@@ -18,6 +18,7 @@ import http.client
 import logging
 import re
 import ssl
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import httptools
@@ -48,7 +49,7 @@ NO_BODY_METHODS = frozenset({"GET", "HEAD", "DELETE", "TRACE", "OPTIONS", "CONNE
 _UNSAFE_TARGET = re.compile(r"[^\x21-\x7e]")
 
 
-class Headers:
+class Headers(Mapping[str, str]):
     """An answer's header fields as urllib3's ``HTTPHeaderDict`` gave them: ``get`` by any
     spelling (a repeated field's values joined with ", "), ``items`` in the order sent, a
     repeated field under the spelling of its first occurrence."""
@@ -75,14 +76,14 @@ class Headers:
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and name.lower() in self._index
 
-    def items(self) -> list[tuple[str, str]]:
+    def items(self) -> list[tuple[str, str]]:  # type: ignore[override]
         return list(self._fields)
 
-    def __iter__(self) -> Any:
-        return iter(name for name, _ in self._fields)
+    def __iter__(self) -> Iterator[str]:
+        return iter(dict.fromkeys(name for name, _ in self._fields))
 
     def __len__(self) -> int:
-        return len(self._fields)
+        return len(self._index)
 
     def __repr__(self) -> str:
         return f"Headers({self._fields!r})"
@@ -185,7 +186,12 @@ class Response:
         event (``RemoteDisconnected`` when the server closed without a byte, so ``exchange``
         can tell a stale connection), or ``InterimError``."""
         while not self._final:
-            data = self.sock.recv(READ_SIZE)
+            try:
+                data = self.sock.recv(READ_SIZE)
+            except STALE_ERRORS as exc:
+                if self._received:  # the server read the request: never send it again
+                    raise ProtocolError("Connection aborted.", exc) from exc
+                raise
             if not data:
                 if not self._received:
                     raise http.client.RemoteDisconnected(

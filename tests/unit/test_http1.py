@@ -130,8 +130,9 @@ def test_a_header_that_would_split_the_request_is_refused_unsent(server, value: 
 # -- what each failure becomes --------------------------------------------------------------
 
 def _reset(conn: socket.socket) -> None:
+    """Reads the request, then closes with an RST (linger 0): the close is ``_run``'s."""
     _read_request(conn)
-    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01" + b"\x00" * 7)
 
 
 @pytest.mark.parametrize("handler, kind, words", [
@@ -165,6 +166,27 @@ def test_a_total_deadline_bounds_the_wait_for_the_head(server) -> None:
                        total_timeout=0.2)
     assert info.value.message == (f"prefill instance {errors.instance_label(url)} did not "
                                   "finish within 0.2 s (prefill total timeout)")
+    transport.close()
+
+
+def test_a_reused_connection_cut_after_part_of_the_answer_is_not_replayed(server) -> None:
+    """The server read the request and began to answer: sending it again could run it
+    twice. (Only a connection that dies before any byte of the answer is replayed.)"""
+    def handle(conn: socket.socket) -> None:
+        answering(OK, then_wait=0)(conn)
+        _read_request(conn)
+        conn.sendall(b"HTTP/1.1 200 OK\r\n")
+        gevent.sleep(0.2)
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01" + b"\x00" * 7)
+
+    url, accepted = server(handle)
+    transport = Transport()
+    assert call(transport, url) == b"ok"
+    with pytest.raises(errors.BackendUnavailable) as info:
+        call(transport, url)
+    assert info.value.message == (f"decode instance {errors.instance_label(url)} is "
+                                  "unreachable: Connection reset by peer")
+    assert len(accepted) == 1 and transport.lifecycle.replayed == 0
     transport.close()
 
 
@@ -223,6 +245,7 @@ def test_header_fields_by_any_spelling_and_in_the_order_sent(server) -> None:
     assert resp.headers.get("Content-Type") == "application/json"
     assert resp.headers.get("VARY") == "Accept, Origin"
     assert resp.headers.get("missing", "") == ""
+    assert "CONTENT-LENGTH" in resp.headers and len(resp.headers) == 4
     assert list(resp.headers.items()) == [("content-type", "application/json"), ("X-Trace", "a "),
                                     ("Vary", "Accept"), ("Vary", "Origin"),
                                     ("Content-Length", "2")]
