@@ -265,7 +265,7 @@ class Response:
         self._pool._put_conn(conn)
 
 
-def exchange(pool: Any, url: str, method: str, head: bytes, body: bytes | None, *,
+def exchange(pool: Any, url: str, head: bytes, body: bytes | None, *,
              connect_timeout: float, read_timeout: float | None,
              lifecycle: Lifecycle) -> Response:
     """Write one request on a connection from ``pool`` and read its answer's head.

@@ -185,8 +185,9 @@ class Transport:
         host = (parts.host or "").rstrip(".")
         if ":" in host and not host.startswith("["):
             host = f"[{host}]"
-        pool.host_header = host if pool.port == pool.ConnectionCls.default_port \
-            else f"{host}:{pool.port}"
+        default = pool.ConnectionCls.default_port
+        port = pool.port or default
+        pool.host_header = host if port == default else f"{host}:{port}"
         return pool
 
     def send(
@@ -216,7 +217,7 @@ class Transport:
             pool, target = self._pool(url)
             head = http1.request_head(method, target, pool.host_header,
                                       {**self.headers, **headers}, body)
-            raw = http1.exchange(pool, url, method, head, body,
+            raw = http1.exchange(pool, url, head, body,
                                  connect_timeout=self.connect_timeout, read_timeout=wait,
                                  lifecycle=self.lifecycle)
         except Exception as exc:

@@ -251,3 +251,20 @@ def test_header_fields_by_any_spelling_and_in_the_order_sent(server) -> None:
                                     ("Content-Length", "2")]
     assert transport.read_body(resp, "decode") == b"{}"
     transport.close()
+
+
+@pytest.mark.parametrize("url, host", [
+    ("http://example.com/v1/x", "example.com"),
+    ("http://example.com:80/v1/x", "example.com"),
+    ("https://example.com:443/v1/x", "example.com"),
+    ("http://example.com:8000/v1/x", "example.com:8000"),
+    ("https://example.com:80/v1/x", "example.com:80"),
+    ("http://[::1]:8000/v1/x", "[::1]:8000"),
+    ("http://example.com./v1/x", "example.com"),
+])
+def test_the_host_header_as_http_client_wrote_it(url: str, host: str) -> None:
+    """No default port, brackets around an IPv6 address, no trailing dot."""
+    transport = Transport()
+    pool, target = transport._pool(url)
+    assert pool.host_header == host and target == "/v1/x"
+    transport.close()
