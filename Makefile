@@ -90,7 +90,7 @@ bench: $(STAMP) $(BENCH_VENV)/.installed
 
 ## bench-fleet: routing policies on a simulated 4 prefill + 4 decode fleet with a cost model,
 ## epd-flask's policies vs vllm-router's, light and at 80 % of prefill capacity; writes
-## docs/benchmarks.md (~20 minutes; BENCH_ARGS=--short: ~6, no report)
+## docs/benchmarks.md (~11 minutes; BENCH_ARGS=--short: ~4, no report)
 bench-fleet: $(STAMP) $(BENCH_VENV)/.installed
 	$(BIN)/python tests/bench/fleet.py --router $(BENCH_VENV)/bin/vllm-router $(BENCH_ARGS)
 

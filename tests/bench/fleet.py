@@ -100,7 +100,7 @@ class Scenario:
 
 
 def scenarios(short: bool) -> list[Scenario]:
-    """Both scenarios; ``short`` (a smoke run, ~3 minutes) shortens the traces."""
+    """Both scenarios; ``short`` (a smoke run, ~4 minutes against ~11) shortens the traces."""
     if short:
         return [Scenario("light", 6.0, 3.0), Scenario("loaded", 8.0, 4.0, UTILISATION)]
     return [Scenario("light", 15.0, 3.0), Scenario("loaded", 25.0, 4.0, UTILISATION)]
@@ -552,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--router", default="", help="vllm-router executable (bench venv)")
     p.add_argument("--short", action="store_true",
-                   help="short traces for a quick check (~3 minutes); writes no report "
+                   help="short traces for a quick check (~4 minutes); writes no report "
                         "unless --report is given")
     p.add_argument("--scenario", default="light,loaded", help="comma-separated: light, loaded")
     p.add_argument("--duration", type=float, default=0.0,
