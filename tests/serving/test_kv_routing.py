@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import gevent
 import pytest
 import requests
 
@@ -95,3 +96,57 @@ def test_kv_aware_without_tokens_answers_from_the_prefix_choice(
         complete(px.url, ["first prompt of a batch", "second"])
     line = next(r.getMessage() for r in caplog.records if r.name == "epd_flask.requests")
     assert "prefill:kv_aware(notokens," in line
+
+
+SYSTEM = {"role": "system", "content": "You answer in one short sentence. " * 20}
+
+
+def turns(topic: str) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+    turn1 = [SYSTEM, {"role": "user", "content": f"What does a {topic} keep?"}]
+    return turn1, [*turn1, {"role": "assistant", "content": "Whatever it was given."},
+                   {"role": "user", "content": "And when does it forget?"}]
+
+
+def chat(url: str, messages: list[dict[str, str]]) -> dict[str, Any]:
+    r = requests.post(url + "/v1/chat/completions", timeout=10, json={
+        "model": "tiny-llama", "messages": messages, "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def events_endpoint(sim_url: str) -> str:
+    """Where the sim bound its publisher, as ``/kv_event_sources`` reports it."""
+    sources = requests.get(sim_url + "/kv_event_sources", timeout=5).json()
+    return "tcp://127.0.0.1:" + sources["0"]["endpoint"].rsplit(":", 1)[1]
+
+
+def test_kv_aware_follows_the_simulators_own_events_and_tokenize(sim, proxy) -> None:
+    """The sims publish vLLM-format events and answer /tokenize: a conversation whose first
+    turn was computed on one prefill (even one the proxy never sent it to) has its second
+    turn sent there, and that prefill serves the shared blocks from its cache."""
+    # As vLLM: a * host binds (the sim binds its own host, 127.0.0.1), port 0 any port.
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:0",
+              "topic": "kv"}
+    prefills = [sim("prefill", kv_events_config=config, block_size=32,
+                    prompt_tokens_details=True, max_model_len=4096) for _ in range(3)]
+    doc = {"settings": {"routing": {"prefill": "kv_aware"}},
+           "instances": [{"role": "prefill", "url": p.url, "kv_events": events_endpoint(p.url)}
+                         for p in prefills]
+           + [{"role": "decode", "url": sim("decode", max_model_len=4096).url}]}
+    px = proxy(doc, probes=True)
+    kv = px.services.kv_events
+    assert eventually(lambda: len(kv.readers) == 3
+                      and all(r.connected for r in kv.readers.values()))
+    gevent.sleep(0.2)  # the subscriptions travel to the publishers after the connection
+    for n, topic in enumerate(("prefix cache", "KV block", "radix tree")):
+        turn1, turn2 = turns(topic)
+        warm = prefills[n]  # the first turn computed there, by a client of its own
+        chat(warm.url, turn1)
+        assert eventually(lambda w=warm: kv.picture(w.url) is not None)
+        before = served(prefills)
+        answer = chat(px.url, turn2)
+        after = served(prefills)
+        assert [a - b for a, b in zip(after, before, strict=True)] == \
+            [1 if p is warm else 0 for p in prefills]
+        assert (answer["usage"].get("prompt_tokens_details") or {}).get(
+            "cached_tokens", 0) >= 160
