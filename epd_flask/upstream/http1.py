@@ -21,6 +21,7 @@ import ssl
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import gevent.socket
 import httptools
 from urllib3.exceptions import ProtocolError, ReadTimeoutError, SSLError
 from urllib3.util.url import _encode_target
@@ -47,6 +48,7 @@ MAX_HEADERS = 100
 #: Methods for which a request without a body carries no ``Content-Length`` (as urllib3).
 NO_BODY_METHODS = frozenset({"GET", "HEAD", "DELETE", "TRACE", "OPTIONS", "CONNECT"})
 _UNSAFE_TARGET = re.compile(r"[^\x21-\x7e]")
+_GeventSocket = gevent.socket.socket
 
 
 class Headers(Mapping[str, str]):
@@ -187,7 +189,7 @@ class Response:
         can tell a stale connection), or ``InterimError``."""
         while not self._final:
             try:
-                data = self.sock.recv(READ_SIZE)
+                data = self._recv()
             except STALE_ERRORS as exc:
                 if self._received:  # the server read the request: never send it again
                     raise ProtocolError("Connection aborted.", exc) from exc
@@ -228,7 +230,7 @@ class Response:
         while not pieces and not self.body_done:
             if self._error is not None:
                 raise self._error
-            data = self.sock.recv(READ_SIZE)
+            data = self._recv()
             if not data:
                 if self._eof_body:
                     self.body_done = True
@@ -247,6 +249,23 @@ class Response:
             self._left -= len(data)
         return data
 
+    def _recv(self) -> bytes:
+        """One ``recv`` as gevent's socket does it (wait for readability under the socket's
+        timeout, same errors), without its per-wait ``Timeout`` and exception objects and
+        its Python frames: a stream waits once per relayed token. TLS and unpatched sockets
+        read through their own ``recv``."""
+        sock = self.sock
+        if type(sock) is not _GeventSocket:
+            return sock.recv(READ_SIZE)
+        raw = sock._sock
+        while True:
+            try:
+                return raw.recv(READ_SIZE)
+            except BlockingIOError:
+                if sock.timeout == 0.0:
+                    raise
+            _wait_readable(sock)
+
     @property
     def complete(self) -> bool:
         return self.body_done and not self._pieces
@@ -263,6 +282,23 @@ class Response:
         if not (self.keep_alive and self.complete):
             conn.close()
         self._pool._put_conn(conn)
+
+
+def _wait_readable(sock: Any) -> None:
+    """gevent's wait on a socket's read watcher, its timeout a plain loop timer that throws
+    ``socket.timeout`` (``TimeoutError``) as gevent's ``Timeout`` would."""
+    watcher = sock._read_event
+    timeout = sock.timeout
+    if timeout is None or watcher.callback is not None:
+        sock._wait(watcher)  # unbounded, or gevent's own error for a second reader
+        return
+    hub = sock.hub
+    timer = hub.loop.timer(timeout)
+    timer.start(gevent.getcurrent().throw, TimeoutError, "timed out")
+    try:
+        hub.wait(watcher)
+    finally:
+        timer.close()
 
 
 def exchange(pool: Any, url: str, head: bytes, body: bytes | None, *,

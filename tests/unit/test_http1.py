@@ -268,3 +268,56 @@ def test_the_host_header_as_http_client_wrote_it(url: str, host: str) -> None:
     pool, target = transport._pool(url)
     assert pool.host_header == host and target == "/v1/x"
     transport.close()
+
+
+# -- the wait for each read -----------------------------------------------------------------
+
+def trickle(events: int, gap: float) -> Handler:
+    """A chunked answer, one piece every ``gap`` seconds, as decode's tokens."""
+    def handle(conn: socket.socket) -> None:
+        _read_request(conn)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for n in range(events):
+            gevent.sleep(gap)
+            conn.sendall(b"3\r\n%03d\r\n" % n)
+        conn.sendall(b"0\r\n\r\n")
+        gevent.sleep(1)
+    return handle
+
+
+def test_a_wait_shorter_than_the_chunk_timeout_leaves_nothing_armed(server) -> None:
+    """Each read's timer ends with the read: pieces 0.05 s apart for ~0.6 s under a 0.2 s
+    chunk timeout all arrive, and the connection is kept for the next request."""
+    url, accepted = server(trickle(12, 0.05))
+    transport = Transport()
+    resp = transport.send("POST", url, stage="decode", headers={}, body=b"{}", read_timeout=2,
+                          chunk_timeout=0.2)
+    assert b"".join(transport.iter_raw(resp, "decode")) == b"".join(
+        b"%03d" % n for n in range(12))
+    resp.close()
+    gevent.sleep(0.3)  # past a timer that a read left running
+    url2, _ = server(answering(OK))
+    assert call(transport, url2) == b"ok"
+    assert len(accepted) == 1
+    transport.close()
+
+
+def test_a_read_that_waits_builds_no_gevent_timeout(server, monkeypatch) -> None:
+    """A stream waits once per relayed token: the wait is a plain loop timer, not gevent's
+    ``Timeout`` object (and its unused exception) made for every read."""
+    made: list[float] = []
+    start_new = gevent.Timeout._start_new_or_dummy
+
+    def counting(timeout: float | None = None, *args: object) -> gevent.Timeout:
+        made.append(timeout or 0.0)
+        return start_new(timeout, *args)
+
+    url, _ = server(trickle(5, 0.02))
+    transport = Transport()
+    resp = transport.send("POST", url, stage="decode", headers={}, body=b"{}", read_timeout=2,
+                          chunk_timeout=1)
+    monkeypatch.setattr(gevent.Timeout, "_start_new_or_dummy", counting)
+    assert len(b"".join(transport.iter_raw(resp, "decode"))) == 15
+    assert made == []
+    resp.close()
+    transport.close()
