@@ -332,7 +332,11 @@ class Transport:
             if deadline is not None:
                 wait, by_deadline = deadline.bound(read_timeout)
                 resp.raw.settimeout(wait)
-            for piece in _pieces(resp.raw):
+            # read1 returns what is already parsed, or what one recv brings; it never waits
+            # for more than is there. Called here, not through a generator of its own: a
+            # layer between the socket and the client costs a resumption per relayed piece.
+            read1 = resp.raw.read1
+            while piece := read1():
                 if deadline is not None:
                     wait, by_deadline = deadline.bound(chunk_timeout)
                     resp.raw.settimeout(wait)
@@ -365,13 +369,6 @@ class Transport:
     def close(self) -> None:
         self._sweeper.stop()
         self._close_pools()
-
-
-def _pieces(raw: http1.Response) -> Iterator[bytes]:
-    """The body one socket read at a time: ``read1`` returns what is already parsed, or what
-    one ``recv`` brings; it never waits for more than is there."""
-    while piece := raw.read1():
-        yield piece
 
 
 def _total_timeout(stage: str, url: str, deadline: Deadline) -> BackendTimeout:
