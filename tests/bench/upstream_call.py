@@ -9,6 +9,10 @@ connection back. Reported: the minimum over the repeats of the mean per call (th
 machine's noise only ever adds), for ``Transport.send`` + ``read_body`` and, as the floor, the
 same bytes written and read on a raw socket; and per event of a streamed answer read through
 ``iter_raw`` (the slope between a short and a long stream, so the call's set-up drops out).
+
+``--compare-wait`` instead measures the streamed event's read both ways in one process, the
+two alternating in each repeat (this machine's load moves a lone figure by a third): with
+``http1``'s own wait on the socket, and through gevent's ``socket.recv`` as before.
 """
 
 from __future__ import annotations
@@ -96,10 +100,34 @@ def per_call(call, calls: int, repeats: int) -> float:
     return best * 1e6
 
 
+def compare_wait(streamed: Callable[[int], Callable[[], None]], repeats: int) -> None:
+    from epd_flask.upstream import http1
+
+    def gevent_recv(self: http1.Response) -> bytes:
+        return self.sock.recv(http1.READ_SIZE)
+
+    ways = {"http1's wait": http1.Response._recv, "gevent's recv": gevent_recv}
+    short, long = streamed(SHORT), streamed(LONG + 100)
+    best = {name: [float("inf"), float("inf")] for name in ways}
+    for _ in range(max(repeats, 9)):
+        for name, read in ways.items():
+            http1.Response._recv = read  # type: ignore[method-assign]
+            for slot, run in enumerate((short, long)):
+                start = time.thread_time()
+                run()
+                best[name][slot] = min(best[name][slot], time.thread_time() - start)
+    http1.Response._recv = ways["http1's wait"]  # type: ignore[method-assign]
+    for name, (low, high) in best.items():
+        print(f"one streamed event read, {name}: {(high - low) / (LONG + 100 - SHORT) * 1e6:.1f}"
+              " us CPU per event")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--compare-wait", action="store_true",
+                        help="a streamed event's read: http1's wait against gevent's recv")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -140,6 +168,12 @@ def main() -> None:
             resp.close()
             assert got == events
         return run
+
+    if args.compare_wait:
+        compare_wait(streamed, args.repeats)
+        transport.close()
+        child.kill()
+        return
 
     raw = socket.create_connection(("127.0.0.1", port))
     request = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:%d\r\n"
