@@ -293,8 +293,10 @@ def _wait_readable(sock: Any) -> None:
         sock._wait(watcher)  # unbounded, or gevent's own error for a second reader
         return
     hub = sock.hub
-    timer = hub.loop.timer(timeout)
-    timer.start(gevent.getcurrent().throw, TimeoutError, "timed out")
+    # As gevent's Timeout: below the watcher's priority (data that arrives with the timeout
+    # is read), timed from now rather than from the loop's last turn.
+    timer = hub.loop.timer(timeout, priority=-1)
+    timer.start(gevent.getcurrent().throw, TimeoutError, "timed out", update=True)
     try:
         hub.wait(watcher)
     finally:

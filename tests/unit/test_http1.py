@@ -6,6 +6,7 @@ request, and the answer's header fields."""
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Callable, Iterator
 
 import gevent
@@ -319,5 +320,30 @@ def test_a_read_that_waits_builds_no_gevent_timeout(server, monkeypatch) -> None
     monkeypatch.setattr(gevent.Timeout, "_start_new_or_dummy", counting)
     assert len(b"".join(transport.iter_raw(resp, "decode"))) == 15
     assert made == []
+    resp.close()
+    transport.close()
+
+
+def test_a_read_waits_its_whole_timeout_after_the_loop_was_held(server) -> None:
+    """The wait is timed from when it starts, not from the event loop's last turn (which
+    is older when the relay held the loop): 0.4 s of work, then a piece 0.2 s later under a
+    0.5 s chunk timeout arrives."""
+    def handle(conn: socket.socket) -> None:
+        _read_request(conn)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\none\r\n")
+        gevent.sleep(0.6)
+        conn.sendall(b"3\r\ntwo\r\n0\r\n\r\n")
+        gevent.sleep(1)
+
+    url, _ = server(handle)
+    transport = Transport()
+    resp = transport.send("POST", url, stage="decode", headers={}, body=b"{}", read_timeout=2,
+                          chunk_timeout=0.5)
+    pieces = transport.iter_raw(resp, "decode")
+    assert next(pieces) == b"one"
+    held = time.monotonic() + 0.4
+    while time.monotonic() < held:  # the loop held, as by a long piece of work
+        pass
+    assert next(pieces) == b"two"
     resp.close()
     transport.close()
