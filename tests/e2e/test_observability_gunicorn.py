@@ -12,7 +12,7 @@ import gevent.pool
 import pytest
 import requests
 
-from tests.helpers import sample, scrape, total
+from tests.helpers import eventually, sample, scrape, total
 
 pytestmark = pytest.mark.e2e
 
@@ -24,6 +24,13 @@ COMPLETION = {"model": "tiny-llama", "prompt": "hello world", "max_tokens": 6}
 def roster(prefill, decode, **settings) -> dict:
     return {"settings": settings, "instances": [{"role": "prefill", "url": prefill.url},
                                                 {"role": "decode", "url": decode.url}]}
+
+
+def workers_serving(proc) -> set[str]:
+    """Pids of the workers that have started their services: each logs what its first probe
+    found, or that it took its health picture over from a worker that booted earlier."""
+    return set(re.findall(r"\[(\d+)\] \[INFO\] epd_flask\.fleet\.(?:registry: instance .* serves"
+                          r"|rostersync: inherited)", proc.log.read_text(errors="replace")))
 
 
 def mixed_load(base: str) -> list[tuple[str, int]]:
@@ -52,6 +59,9 @@ def test_one_scrape_sums_both_workers_and_counts_every_request_once(procs) -> No
     d = procs["sim"]("decode", "--token-delay-ms", "10", "--output-tokens", "10")
     gw = procs["gunicorn"](roster(p, d, decode_retries=0), workers=2,
                            env={"EPD_LOG_FORMAT": "json"})
+    # The fixture returns once one worker answers; a second still importing could take no
+    # request of a short burst, and the sum across workers would not be tested.
+    assert eventually(lambda: len(workers_serving(gw)) == 2, 30), workers_serving(gw)
     d.control("faults", fail_next=4)
     started = time.monotonic()
     load = gevent.spawn(mixed_load, gw.url)
