@@ -58,6 +58,8 @@ upstream_opened: EventHook[[str, str]] = EventHook()
 upstream_closed: EventHook[[str, str]] = EventHook()
 #: A routing decision: (role, policy, outcome, url), outcome as ``fleet/policies.py`` names.
 routed: EventHook[[str, str, str, str]] = EventHook()
+#: A prefill answered with its usage: (url, prompt tokens, of them served from its prefix cache).
+prefill_tokens: EventHook[[str, int, int]] = EventHook()
 #: An upstream call of a client request failed: (stage, url, error code).
 upstream_error: EventHook[[str, str, str]] = EventHook()
 #: An attempt is retried before the first byte: (failed stage, error code that caused it).

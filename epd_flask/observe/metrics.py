@@ -82,6 +82,13 @@ ROUTING = Counter(
     "epd_routing_decisions_total", "Routing decisions by role, policy and outcome (rotation, "
     "least, tie, hit, spill, nokey; skipped: a short prompt went straight to decode) and the "
     "instance chosen.", ["role", "policy", "outcome", "instance"], registry=_REGISTRY)
+PREFILL_PROMPT_TOKENS = Counter(
+    "epd_prefill_prompt_tokens_total", "Prompt tokens of the requests each prefill answered, "
+    "as its usage reported them.", ["instance"], registry=_REGISTRY)
+PREFILL_CACHED_TOKENS = Counter(
+    "epd_prefill_cached_tokens_total", "Of those prompt tokens, the ones the prefill served "
+    "from its prefix cache (divided by the above: its cache-hit share).", ["instance"],
+    registry=_REGISTRY)
 UPSTREAM_ERRORS = Counter(
     "epd_upstream_errors_total", "Failed upstream calls of client requests, by instance and "
     "error code.", ["stage", "instance", "kind"], registry=_REGISTRY)
@@ -226,6 +233,7 @@ class MetricsObserver:
         events.upstream_error.add_listener(self.upstream_error)
         events.retry.add_listener(self.retry)
         events.routed.add_listener(self.routed)
+        events.prefill_tokens.add_listener(self.prefill_tokens)
         events.kv_events.add_listener(self.kv_events)
         events.probe.add_listener(self.probe)
         events.evicted.add_listener(self.evicted)
@@ -248,6 +256,11 @@ class MetricsObserver:
 
     def routed(self, role: str, policy: str, outcome: str, url: str) -> None:
         self._child(ROUTING, role, policy, outcome, self.instance_label(url)).inc()
+
+    def prefill_tokens(self, url: str, prompt: int, cached: int) -> None:
+        instance = self.instance_label(url)
+        self._child(PREFILL_PROMPT_TOKENS, instance).inc(prompt)
+        self._child(PREFILL_CACHED_TOKENS, instance).inc(cached)
 
     def kv_events(self, url: str, kind: str, count: int) -> None:
         KV_EVENTS.labels(self.instance_label(url), kind).inc(count)

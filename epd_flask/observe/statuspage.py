@@ -98,6 +98,8 @@ class InstanceRow:
     in_flight: float
     calls: float
     errors: float
+    # Share of the prompt tokens it answered for that came from its prefix cache (None: none).
+    cache_hits: float | None = None
 
 
 @dataclass
@@ -196,6 +198,8 @@ def build(now: Snapshot, then: Snapshot | None, fleet: Sequence[FleetEntry],
         "epd_upstream_in_flight")}
     calls = summed(delta(now, then, "epd_stage_duration_seconds_count"), ["instance"])
     errors = summed(delta(now, then, "epd_upstream_errors_total"), ["instance"])
+    prompt = summed(delta(now, then, "epd_prefill_prompt_tokens_total"), ["instance"])
+    cached = summed(delta(now, then, "epd_prefill_cached_tokens_total"), ["instance"])
     wall = time.time()
     rows = []
     for e in sorted(fleet, key=lambda e: (_role_rank(e.role), e.url)):
@@ -209,7 +213,8 @@ def build(now: Snapshot, then: Snapshot | None, fleet: Sequence[FleetEntry],
             None if probed is None else max(0.0, wall - probed),
             gauge["epd_instance_last_probe_latency_seconds"].get(key),
             gauge["epd_upstream_in_flight"].get(key, 0.0),
-            calls.get(key, 0.0), errors.get(key, 0.0)))
+            calls.get(key, 0.0), errors.get(key, 0.0),
+            cached.get(key, 0.0) / prompt[key] if prompt.get(key) else None))
     requests = sorted((route, status, n) for (route, status), n in summed(
         delta(now, then, "epd_requests_total"), ["route", "status"]).items() if n > 0)
     counters = []
@@ -292,7 +297,7 @@ def render(status: Status) -> str:
         out.append(f"<h3>{e(role)}: {live} live, {len(rows) - live} evicted</h3>")
         out.append("<table><tr><th class=\"l\">instance</th><th class=\"l\">state</th>"
                    "<th class=\"l\">last probe</th><th>probe latency</th><th>in flight</th>"
-                   "<th>calls</th><th>errors</th></tr>")
+                   "<th>calls</th><th>errors</th><th>cache hits</th></tr>")
         for r in rows:
             state = "LIVE" if r.live else "EVICTED"
             if r.probe_ok is None:
@@ -303,7 +308,8 @@ def render(status: Status) -> str:
                 f"<tr><td class=\"l\">{e(r.url)}</td>"
                 f"<td class=\"l {state.lower()}\">{state}</td><td class=\"l\">{e(probe)}</td>"
                 f"<td>{_ms(r.probe_latency)}</td><td>{r.in_flight:.0f}</td>"
-                f"<td>{r.calls:.0f}</td><td>{r.errors:.0f}</td></tr>")
+                f"<td>{r.calls:.0f}</td><td>{r.errors:.0f}</td>"
+                f"<td>{_share(r.cache_hits)}</td></tr>")
         out.append("</table>")
     out.append("<h2>Requests</h2>")
     if status.requests:
@@ -363,6 +369,10 @@ def _ms(seconds: float | None) -> str:
     if seconds >= 10:
         return f"{seconds:.1f} s"
     return f"{seconds * 1000:.1f} ms"
+
+
+def _share(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.1%}"
 
 
 def _rate(n: float, window: float | None) -> str:

@@ -276,7 +276,12 @@ class Pipeline:
         except ValueError:
             raise BackendError(f"prefill instance {instance_label(target.url)} answered "
                                "non-JSON", stage="prefill", instance=target.url) from None
-        return answer if isinstance(answer, dict) else None
+        if not isinstance(answer, dict):
+            return None
+        counted = usage.prefill_tokens(answer)
+        if counted is not None:
+            events.prefill_tokens.fire(target.url, *counted)
+        return answer
 
     # -- prefill and decode at once (mooncake) ----------------------------------------------
 

@@ -56,6 +56,20 @@ def prefill_cached_tokens(reply: dict[str, Any] | None) -> int:
     return found
 
 
+def prefill_tokens(reply: dict[str, Any]) -> tuple[int, int] | None:
+    """(prompt tokens, of them cached) as prefill reported them, for its cache-hit share;
+    None when it reported no prompt length or hits that cannot be true (counting those would
+    skew the share; the caller's own check decides what the request does about them)."""
+    usage = reply.get("usage")
+    prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    if isinstance(prompt, bool) or not isinstance(prompt, int) or prompt < 0:
+        return None
+    try:
+        return prompt, prefill_cached_tokens(reply)
+    except UsageError:
+        return None
+
+
 def set_cached_tokens(doc: Any, cached: int) -> bool:
     """Write ``cached`` into ``doc["usage"]["prompt_tokens_details"]``; False if no usage."""
     if not isinstance(doc, dict):

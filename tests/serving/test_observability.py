@@ -188,6 +188,33 @@ def test_status_page_shows_roster_state_and_stage_percentiles(sim, proxy) -> Non
     assert "over the last" in text
 
 
+@pytest.mark.parametrize("connector", ["nixl", "none"])
+def test_prefill_prompt_and_cached_tokens_are_counted_and_status_shows_the_share(
+        sim, proxy, connector) -> None:
+    p = sim("prefill", prompt_tokens_details=True)
+    d = sim("decode", prompt_tokens_details=True)
+    px = proxy({"settings": {"connector": connector}, "instances": [
+        {"role": "prefill", "url": p.url}, {"role": "decode", "url": d.url}]})
+    px.services.history.sample()  # the window's start
+    before = scrape(px.url)
+    body = {"model": "tiny-llama", "prompt": "the quick brown fox jumps " * 24, "max_tokens": 2}
+    answers = [requests.post(px.url + "/v1/completions", json=body, timeout=10).json()["usage"]
+               for _ in range(2)]
+    after = scrape(px.url)
+    cached = p.state.stats()["prefix_cached_tokens"]
+    prompt = sum(u["prompt_tokens"] for u in answers)
+    assert 0 < cached < prompt  # the sim's cache hit the repeated prompt, not all of it
+    assert answers[1]["prompt_tokens_details"]["cached_tokens"] == cached
+    assert diff(after, before, "epd_prefill_prompt_tokens_total", instance=p.url) == prompt
+    assert diff(after, before, "epd_prefill_cached_tokens_total", instance=p.url) == cached
+    text = re.sub(r"<[^>]+>", " ", requests.get(px.url + "/status", timeout=10).text)
+    assert "cache hits" in text
+    share = f"{cached / prompt:.1%}"
+    assert re.search(rf"{re.escape(p.url)}\s+LIVE\s+not yet\s+-\s+0\s+2\s+0\s+"
+                     rf"{re.escape(share)}", text), share
+    assert re.search(rf"{re.escape(d.url)}\s+LIVE\s+not yet\s+-\s+0\s+2\s+0\s+-", text)
+
+
 def svg_charts(page: str) -> dict[str, ElementTree.Element]:
     """Every inline chart of the status page, parsed as XML (so it is well-formed), by title."""
     out = {}

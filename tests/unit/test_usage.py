@@ -9,6 +9,7 @@ import pytest
 from epd_flask.serving.usage import (
     UsageError,
     prefill_cached_tokens,
+    prefill_tokens,
     rewrite_body,
     rewrite_events,
 )
@@ -23,6 +24,11 @@ def test_prefill_cached_tokens_from_usage_or_nixl_params() -> None:
         "remote_prefill_cached_tokens": 64}}) == 64
     assert prefill_cached_tokens({"usage": {"prompt_tokens": 64}, "kv_transfer_params": {
         "remote_prefill_cached_tokens": None}}) == 0
+    # What the cache-hit share counts: (prompt, cached), only with a prompt length.
+    assert prefill_tokens({"usage": {"prompt_tokens": 40, "prompt_tokens_details": {
+        "cached_tokens": 32}}}) == (40, 32)
+    assert prefill_tokens({"usage": {"prompt_tokens": 7}}) == (7, 0)
+    assert prefill_tokens({"usage": None}) is None
 
 
 @pytest.mark.parametrize("reply", [
@@ -38,6 +44,7 @@ def test_prefill_cached_tokens_from_usage_or_nixl_params() -> None:
 def test_cached_tokens_no_prompt_could_have_are_refused(reply) -> None:
     with pytest.raises(UsageError):
         prefill_cached_tokens(reply)
+    assert prefill_tokens(reply) is None  # never counted in the share either
 
 
 def test_body_usage_gets_cached_tokens_and_keeps_other_details() -> None:
