@@ -11,6 +11,7 @@ sets variables; each variable (type, default, check) is declared once in
 ``epd_flask/control/settings.py``, and a bad value stops start-up with a message naming it.
 """
 
+import gc
 import logging
 
 # Standard library only (the master must not load ssl); see their docstrings.
@@ -125,12 +126,17 @@ def post_worker_init(worker):
     """Start each worker's background greenlets once gevent has patched it, and its drain
     watcher: when the worker is told to stop (SIGTERM, or an old worker of a reload), running
     streams get until shortly before ``graceful_timeout`` and are then ended with an in-band
-    error event instead of being cut when the master's SIGKILL comes."""
+    error event instead of being cut when the master's SIGKILL comes. Then freezes what the
+    worker has loaded, so the garbage collector no longer walks it."""
     services = getattr(worker.wsgi, "extensions", {}).get("epd_flask")
     if services is not None:
         services.listening_on(s.getsockname() for s in worker.sockets)
         services.start()
         services.drain.watch(lambda: worker.alive, worker.cfg.graceful_timeout)
+    # What is loaded now (the app, its services, their greenlets) lives as long as the worker:
+    # out of the collector's generations, a full collection under hundreds of streams walks
+    # only what the requests made (docs/benchmarks.md, issue 15: c's TTFT p99).
+    gc.freeze()
 
 
 def child_exit(server, worker):

@@ -5,6 +5,7 @@ over metrics.py, statuspage.py and profiling.py.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -53,7 +54,7 @@ def debug_worker() -> Response:
     doc = {"pid": os.getpid(), "greenlets": procstats.greenlets(),
            "rss_bytes": procstats.rss_bytes(), "tcp_connections": sum(peers.values()),
            "upstream_connections": sum(upstream.values()), "upstream": upstream,
-           "load": svc.inflight.snapshot()}
+           "load": svc.inflight.snapshot(), "gc_frozen": gc.get_freeze_count()}
     return Response(json.dumps(doc), status=200, content_type="application/json")
 
 

@@ -147,6 +147,17 @@ def test_plain_gunicorn_command_runs_hooks_and_probes(procs) -> None:
     assert requests.get(gw.url + "/ready", timeout=5).status_code == 200
 
 
+def test_each_worker_freezes_what_it_loaded_at_start(procs) -> None:
+    """The app, its services and their greenlets live as long as the worker: post_worker_init
+    moves them out of the collector's generations, so a full collection under 500 streams no
+    longer walks them (docs/benchmarks.md, issue 15)."""
+    p = procs["sim"]("prefill")
+    d = procs["sim"]("decode")
+    gw = procs["gunicorn"](roster(p, d), "-k", "gevent", env={"EPD_DEBUG_ENDPOINTS": "1"})
+    doc = requests.get(gw.url + "/debug/worker", timeout=5).json()
+    assert doc["gc_frozen"] > 10_000
+
+
 def test_the_repository_config_file_reexports_the_packaged_one(procs) -> None:
     """`gunicorn -c etc/gunicorn.conf.py wsgi:app` still works: the file re-runs the packaged
     configuration (settings and hooks), at start and again when SIGHUP re-reads it."""
