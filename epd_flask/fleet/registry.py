@@ -36,6 +36,9 @@ class InstanceState:
     last_latency: float | None = None
     last_error: str | None = None
     in_flight: int = 0
+    #: The estimated prompt tokens of those calls: what a prefill has queued
+    #: (docs/behaviour.md#routing-policies).
+    tokens_in_flight: int = 0
     extra: dict[str, object] = field(default_factory=dict)
     #: The instance's last readable ``/v1/models`` answer, cards by model id (None: never
     #: read); an unreadable answer leaves it as it was (docs/behaviour.md#models).
@@ -106,12 +109,14 @@ class Registry:
     def get(self, url: str) -> InstanceState | None:
         return self._states.get(url)
 
-    def track(self, url: str, delta: int) -> None:
-        """An upstream call to ``url`` opened (+1) or closed (-1): the load routing reads.
-        A call to an instance the roster dropped meanwhile counts for nobody."""
+    def track(self, url: str, delta: int, tokens: int = 0) -> None:
+        """An upstream call to ``url`` for a prompt of ``tokens`` (estimated) opened (+1) or
+        closed (-1): the load routing reads. A call to an instance the roster dropped
+        meanwhile counts for nobody."""
         state = self._states.get(url)
         if state is not None:
             state.in_flight = max(0, state.in_flight + delta)
+            state.tokens_in_flight = max(0, state.tokens_in_flight + delta * tokens)
 
     def states(self) -> list[InstanceState]:
         return list(self._states.values())

@@ -34,6 +34,9 @@ AFFINITY_POLICIES = (policies.PREFIX, policies.KV_AWARE, policies.SESSION)
 #: The share of a role's instances the conversations of one system prompt are kept on (see
 #: ``policies.tiered_order``): half, so a few system prompts still cover the whole fleet.
 SHARED_SPREAD = 0.5
+#: The roles whose load is prompt tokens in flight rather than calls: a prefill's work is its
+#: prompt; a decode's or an encoder's is not.
+TOKEN_ROLES = frozenset({"prefill"})
 
 
 @contextmanager
@@ -89,9 +92,16 @@ class Router:
         return str(routing.get(role, policies.ROUND_ROBIN))
 
     def load(self, instance: Instance) -> int:
-        """This worker's upstream calls open on ``instance`` right now."""
+        """This worker's upstream calls open on ``instance`` right now; on a prefill, the
+        estimated prompt tokens of those calls (plus one per call): a prefill's wait is the
+        tokens queued before it, and one long prompt outweighs many short ones, which a
+        count of calls cannot see (docs/behaviour.md#routing-policies)."""
         state = self.registry.get(instance.url)
-        return state.in_flight if state is not None else 0
+        if state is None:
+            return 0
+        if instance.role in TOKEN_ROLES:
+            return state.in_flight + state.tokens_in_flight
+        return state.in_flight
 
     def pick(self, role: str, exclude: frozenset[str] = frozenset(), model: str | None = None,
              base: str | None = None) -> Instance:
@@ -125,8 +135,10 @@ class Router:
             if key is not None:
                 factor = self._settings().routing_load_factor if self._settings else \
                     declared.default("routing_load_factor")
+                incoming = 1 + (affinity.prompt_tokens if role in TOKEN_ROLES else 0)
                 decision = policies.bounded_rendezvous(key, candidates, self.load, factor,
-                                                       policy, affinity.shared, SHARED_SPREAD)
+                                                       policy, affinity.shared, SHARED_SPREAD,
+                                                       incoming)
                 if policy == policies.KV_AWARE:
                     if self.kv is None:
                         return Decision(decision.instance, policy, policies.FALLBACK,

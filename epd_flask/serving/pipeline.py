@@ -124,8 +124,8 @@ class Pipeline:
         """The request's attempts, in the greenlet the client watch runs: the routing context
         (a context variable, which a new greenlet does not inherit) is set here."""
         attempts = self.roster.settings.decode_retries + 1
-        ctx.on_leg = self.registry.track
         affinity = request_affinity(body, ctx.session)
+        ctx.on_leg = partial(self.registry.track, tokens=affinity.prompt_tokens)
         affinity.decisions = ctx.routing
         affinity.headers = ctx.upstream_headers
         with routing.serving(affinity):

@@ -4,7 +4,8 @@
 requests is the third-slowest of them: one trace cannot say whether a policy's tail is worse
 than round_robin's or the trace was unlucky. This replays many seeds through the *same*
 decisions epd-flask makes (``fleet.routing.Router.decide`` with its roster defaults, the load
-being the prefill requests in flight per instance, as one worker counts them) and the sim's
+being the prefill requests in flight per instance and their estimated prompt tokens, as
+one worker counts them) and the sim's
 cost model (``sim.costmodel.EngineClock``: a prefill waits for the uncached tokens queued
 before it; ``sim.kvcache.PrefixCache`` per instance), and prints each policy's TTFT p50 and p99
 against round_robin's on the same trace, and how often p99 is over the 80 % target's 1.10x.
@@ -43,6 +44,7 @@ POLICIES = ("round_robin", "least_loaded", "prefix", "session", "ideal")
 @dataclass
 class _Slot:
     in_flight: int = 0
+    tokens_in_flight: int = 0
 
 
 class _Registry:
@@ -65,26 +67,28 @@ def replay(trace: list[dict[str, Any]], policy: str, rate: float,
     router = routing.Router(registry, start=0)  # type: ignore[arg-type]
     caches = {u: PrefixCache(capacity=int(fleet.FIGURES["kv_cache_blocks"])) for u in urls}
     clocks = {u: EngineClock() for u in urls}
-    running: list[tuple[float, str]] = []
+    running: list[tuple[float, str, int]] = []
     ttfts, computed = [], 0
     step = float(fleet.FIGURES["token_delay"])
     for item, prompts in zip(trace, fleet._prompts(trace), strict=True):
         now = item["t"]
-        for _done, url in [r for r in running if r[0] <= now]:
+        for _done, url, estimate in [r for r in running if r[0] <= now]:
             registry.slots[url].in_flight -= 1
+            registry.slots[url].tokens_in_flight -= estimate
         running = [r for r in running if r[0] > now]
         prompt, tokens = prompts[0]
+        request = affinity.request_affinity(item["body"])
         if policy == "ideal":
             url = min(urls, key=lambda u: (max(now, clocks[u].busy_until) + (
                 tokens - copy.deepcopy(caches[u]).lookup_and_insert(prompt, tokens)) / rate))
         else:
-            url = router.decide("prefill", policy, insts,
-                                affinity.request_affinity(item["body"])).instance.url
+            url = router.decide("prefill", policy, insts, request).instance.url
         work = tokens - caches[url].lookup_and_insert(prompt, tokens)
         computed += work
         ttft = clocks[url].prefill(work, rate, now) + step
         registry.slots[url].in_flight += 1
-        running.append((now + ttft, url))
+        registry.slots[url].tokens_in_flight += request.prompt_tokens
+        running.append((now + ttft, url, request.prompt_tokens))
         ttfts.append(ttft)
     return {"ttfts": ttfts, "computed": computed}
 

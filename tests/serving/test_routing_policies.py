@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import logging
+import re
+from concurrent.futures import ThreadPoolExecutor
 
 import requests
 
-from tests.helpers import pd_roster
+from tests.helpers import eventually, pd_roster
 
 SYSTEM = {"role": "system", "content": "You answer in one short sentence. " * 20}
 TURN1 = [SYSTEM, {"role": "user", "content": "What does a prefix cache keep?"}]
@@ -94,3 +96,22 @@ def test_decisions_are_logged_and_counted(sim, proxy, caplog) -> None:
     assert hit and float(hit[0].rsplit(" ", 1)[1]) >= 1
     status = requests.get(px.url + "/status", timeout=5).text
     assert "Routing decisions" in status and "prefill prefix hit" in status
+
+
+def test_least_loaded_prefill_counts_the_prompt_tokens_in_flight(sim, proxy, caplog) -> None:
+    """A prefill's load is the estimated tokens it is computing, not its count of calls:
+    one long prompt in flight makes its instance the busier one for the next request."""
+    ps = [sim("prefill", ttft=1.0, max_model_len=4096) for _ in range(2)]
+    px = proxy(pd_roster(ps, [sim("decode", max_model_len=4096)],
+                         routing={"prefill": "least_loaded"}))
+    long_prompt = [{"role": "user", "content": "Summarise this. " + "word " * 600}]
+    pool = ThreadPoolExecutor(1)
+    with caplog.at_level(logging.INFO, logger="epd_flask.requests"):
+        first = pool.submit(chat, px.url, long_prompt)
+        eventually(lambda: sum(p.state.stats()["in_flight"] for p in ps) == 1)
+        chat(px.url, [{"role": "user", "content": "Short?"}])
+        first.result(timeout=10)
+    pool.shutdown()
+    why = re.search(r"prefill:least_loaded\((\d+)<(\d+)\)", caplog.text)
+    assert why is not None, caplog.text
+    assert int(why.group(1)) == 0 and int(why.group(2)) > 100, caplog.text

@@ -193,3 +193,45 @@ def test_chat_shared_key_is_the_system_prompt() -> None:
     b = affinity.request_affinity({"messages": [system, {"role": "user", "content": "b"}]})
     bare = affinity.request_affinity({"messages": [{"role": "user", "content": "a"}]})
     assert a.shared == b.shared is not None and a.prefix != b.prefix and bare.shared is None
+
+
+def test_prefill_load_is_prompt_tokens_in_flight_and_decode_load_is_calls() -> None:
+    """One long prompt queued outweighs several short ones on a prefill; on a decode every
+    stream counts one whatever its prompt."""
+    registry = Registry([*prefills(2), Instance(role="decode", url="http://10.0.0.9:8200"),
+                         Instance(role="decode", url="http://10.0.0.8:8200")])
+    router = Router(registry, settings=lambda: FakeSettings(
+        {"prefill": "least_loaded", "decode": "least_loaded"}))
+    short, long = (i.url for i in prefills(2))
+    for _ in range(3):
+        registry.track(short, +1, tokens=20)
+    registry.track(long, +1, tokens=3000)
+    assert router.load(prefills(2)[0]) == 63 and router.load(prefills(2)[1]) == 3001
+    assert {router.pick("prefill").url for _ in range(10)} == {short}
+    registry.track("http://10.0.0.9:8200", +1, tokens=3000)
+    for _ in range(3):
+        registry.track("http://10.0.0.8:8200", +1, tokens=20)
+    assert {router.pick("decode").url for _ in range(10)} == {"http://10.0.0.9:8200"}
+    registry.track(long, -1, tokens=3000)
+    assert registry.get(long).in_flight == 0 and registry.get(long).tokens_in_flight == 0
+
+
+def test_prefix_bound_is_in_tokens_on_a_prefill() -> None:
+    """A prefix's instance computing one long prompt is over the bound although it holds
+    fewer calls than the others: the next request with that prefix spills."""
+    registry = Registry(prefills(3))
+    router = Router(registry, settings=lambda: FakeSettings({"prefill": "prefix"}))
+    order = policies.rendezvous_order(b"hot", registry.live("prefill"))
+    registry.track(order[0].url, +1, tokens=5000)
+    for other in order[1:]:
+        for _ in range(2):
+            registry.track(other.url, +1, tokens=10)
+    with serving(Affinity(prefix=b"hot", prompt_tokens=100)) as aff:
+        assert router.pick("prefill") == order[1]
+    assert aff.decisions[0].startswith("prefill:prefix(spill1:")
+
+
+def test_load_bound_counts_the_incoming_request_as_given() -> None:
+    assert policies.load_bound([0, 0, 0, 0], 1.0) == 1
+    assert policies.load_bound([100, 0, 0, 0], 1.0, incoming=300) == 100
+    assert policies.load_bound([100, 0, 0, 0], 1.25, incoming=300) == 125
