@@ -91,24 +91,22 @@ def tiered_order(shared: bytes, key: bytes, candidates: Sequence[Instance],
     return rendezvous_order(key, tier[:size]) + rendezvous_order(key, tier[size:])
 
 
-def load_bound(loads: Sequence[int], factor: float, incoming: int = 1) -> int:
-    """The most load one instance may hold before the next request is placed elsewhere:
-    ``ceil(factor * (total + incoming) / n)``, consistent hashing with bounded loads
-    (Mirrokni, Thorup, Zadimoghaddam, SODA 2018), ``incoming`` being the request's own load
-    (1 when load is calls, its prompt's tokens when load is tokens). Some instance is always
-    under it."""
-    return max(1, math.ceil(factor * (sum(loads) + incoming) / max(1, len(loads))))
+def load_bound(loads: Sequence[int], factor: float) -> int:
+    """The most requests one instance may hold before the next one is placed elsewhere:
+    ``ceil(factor * (total + 1) / n)``, consistent hashing with bounded loads (Mirrokni,
+    Thorup, Zadimoghaddam, SODA 2018). Some instance is always under it."""
+    return max(1, math.ceil(factor * (sum(loads) + 1) / max(1, len(loads))))
 
 
 def bounded_rendezvous(key: bytes, candidates: Sequence[Instance],
                        load: Callable[[Instance], int], factor: float,
                        policy: str, shared: bytes | None = None,
-                       spread: float = 1.0, incoming: int = 1) -> Decision:
+                       spread: float = 1.0) -> Decision:
     """The first instance in ``key``'s rendezvous order (tiered by ``shared`` when given)
     whose load is under the bound."""
     order = rendezvous_order(key, candidates) if shared is None or spread >= 1.0 \
         else tiered_order(shared, key, candidates, spread)
-    bound = load_bound([load(i) for i in candidates], factor, incoming)
+    bound = load_bound([load(i) for i in candidates], factor)
     for rank, inst in enumerate(order):
         if load(inst) < bound:
             if rank == 0:

@@ -34,8 +34,8 @@ AFFINITY_POLICIES = (policies.PREFIX, policies.KV_AWARE, policies.SESSION)
 #: The share of a role's instances the conversations of one system prompt are kept on (see
 #: ``policies.tiered_order``): half, so a few system prompts still cover the whole fleet.
 SHARED_SPREAD = 0.5
-#: The roles whose load is prompt tokens in flight rather than calls: a prefill's work is its
-#: prompt; a decode's or an encoder's is not.
+#: The roles whose ``least_loaded`` load is prompt tokens in flight rather than calls: a
+#: prefill's work is its prompt; a decode's or an encoder's is not.
 TOKEN_ROLES = frozenset({"prefill"})
 
 
@@ -103,6 +103,13 @@ class Router:
             return state.in_flight + state.tokens_in_flight
         return state.in_flight
 
+    def calls(self, instance: Instance) -> int:
+        """This worker's upstream calls open on ``instance``: the load the affinity policies
+        bound. Measured in the fleet model, a bound in prompt tokens made their tails no
+        better (an affinity hit's prompt is mostly cached, which the estimate cannot see)."""
+        state = self.registry.get(instance.url)
+        return state.in_flight if state is not None else 0
+
     def pick(self, role: str, exclude: frozenset[str] = frozenset(), model: str | None = None,
              base: str | None = None) -> Instance:
         """A live instance of ``role`` serving ``model`` (docs/behaviour.md#models), chosen by
@@ -135,15 +142,13 @@ class Router:
             if key is not None:
                 factor = self._settings().routing_load_factor if self._settings else \
                     declared.default("routing_load_factor")
-                incoming = 1 + (affinity.prompt_tokens if role in TOKEN_ROLES else 0)
-                decision = policies.bounded_rendezvous(key, candidates, self.load, factor,
-                                                       policy, affinity.shared, SHARED_SPREAD,
-                                                       incoming)
+                decision = policies.bounded_rendezvous(key, candidates, self.calls, factor,
+                                                       policy, affinity.shared, SHARED_SPREAD)
                 if policy == policies.KV_AWARE:
                     if self.kv is None:
                         return Decision(decision.instance, policy, policies.FALLBACK,
                                         "noevents," + decision.why)
-                    return self.kv.decide(candidates, affinity, decision, self.load, factor)
+                    return self.kv.decide(candidates, affinity, decision, self.calls, factor)
                 if fallback:
                     return Decision(decision.instance, policy, decision.outcome,
                                     "prefix:" + decision.why)

@@ -216,9 +216,9 @@ def test_prefill_load_is_prompt_tokens_in_flight_and_decode_load_is_calls() -> N
     assert registry.get(long).in_flight == 0 and registry.get(long).tokens_in_flight == 0
 
 
-def test_prefix_bound_is_in_tokens_on_a_prefill() -> None:
-    """A prefix's instance computing one long prompt is over the bound although it holds
-    fewer calls than the others: the next request with that prefix spills."""
+def test_prefix_bound_stays_in_calls_on_a_prefill() -> None:
+    """The affinity policies bound calls, not tokens: a prefix's instance holding one long
+    prompt and fewer calls than the others keeps its key."""
     registry = Registry(prefills(3))
     router = Router(registry, settings=lambda: FakeSettings({"prefill": "prefix"}))
     order = policies.rendezvous_order(b"hot", registry.live("prefill"))
@@ -227,11 +227,5 @@ def test_prefix_bound_is_in_tokens_on_a_prefill() -> None:
         for _ in range(2):
             registry.track(other.url, +1, tokens=10)
     with serving(Affinity(prefix=b"hot", prompt_tokens=100)) as aff:
-        assert router.pick("prefill") == order[1]
-    assert aff.decisions[0].startswith("prefill:prefix(spill1:")
-
-
-def test_load_bound_counts_the_incoming_request_as_given() -> None:
-    assert policies.load_bound([0, 0, 0, 0], 1.0) == 1
-    assert policies.load_bound([100, 0, 0, 0], 1.0, incoming=300) == 100
-    assert policies.load_bound([100, 0, 0, 0], 1.25, incoming=300) == 125
+        assert router.pick("prefill") == order[0]
+    assert aff.decisions == ["prefill:prefix(hit)"]
