@@ -23,6 +23,7 @@ from tests.vllm.fleet import MODEL_NAME, VllmServer
 pytestmark = pytest.mark.vllm
 
 REPEATS = 3
+WARM_UP_ATTEMPTS = 8
 BLOCK = 32
 #: ~150 tokens: several 32-token blocks both turns share.
 SYSTEM = ("You are a patient teacher of marine biology. You answer in plain words, give one "
@@ -60,19 +61,50 @@ def settled(prefills: list[VllmServer], before: dict[str, dict[str, float]],
             return out
 
 
-def run(fleet: Any, policy: str) -> tuple[list[tuple[str, float, int]], Any]:
-    """Each turn's (prefill that computed it, tokens it served from cache, prompt tokens)."""
-    top = fleet.current
-    prefills = [s for s in top.servers if s.role == "prefill"]
-    decode = top.by_role("decode")
+def prefills_of(fleet: Any) -> list[VllmServer]:
+    return [s for s in fleet.current.servers if s.role == "prefill"]
+
+
+def start_proxy(fleet: Any, policy: str) -> Any:
     instances: list[dict[str, Any]] = [
         {"role": "prefill", "url": p.url, "kv_events": f"tcp://127.0.0.1:{p.kv_events_port}"}
-        for p in prefills]
-    instances.append({"role": "decode", "url": decode.url})
+        for p in prefills_of(fleet)]
+    instances.append({"role": "decode", "url": fleet.current.by_role("decode").url})
     proxy = fleet.proxy({"settings": {"connector": "nixl", "decode_retries": 0,
                                       "routing": {"prefill": policy}},
                          "instances": instances})
     time.sleep(1.0)  # the workers' subscribers connect (ZMQ drops what they miss)
+    return proxy
+
+
+def warm_up(fleet: Any) -> None:
+    """Let the decode finish its first NIXL handshake with each prefill before any test
+    measures routing. On this CPU machine a first handshake takes ~30 s, at the edge of
+    vLLM's own limit when the machine is busy, and a request caught by a failed one is
+    answered 500 by the decode (seen once in a full tier run); the next request to that
+    prefill handshakes again. Round-robin alternates the two prefills, so each is tried in
+    turn until both have served one request (bounded)."""
+    prefills = prefills_of(fleet)
+    proxy = start_proxy(fleet, "round_robin")
+    served: set[str] = set()
+    for attempt in range(WARM_UP_ATTEMPTS):
+        turn1, _ = conversation(f"warm-up {attempt}")
+        before = prefill_tokens(prefills)
+        reply = post(proxy.url, "/v1/chat/completions", {
+            "model": MODEL_NAME, "messages": turn1, "max_tokens": 1, "temperature": 0})
+        if reply.status == 200:
+            per = settled(prefills, before, reply.json["usage"]["prompt_tokens"])
+            served.add(max(per, key=lambda u: per[u][0]))
+        if served == {p.url for p in prefills}:
+            break
+    proxy.stop()
+    assert served == {p.url for p in prefills}, f"only {served} served after warming up"
+
+
+def run(fleet: Any, policy: str) -> tuple[list[tuple[str, float, int]], Any]:
+    """Each turn's (prefill that computed it, tokens it served from cache, prompt tokens)."""
+    prefills = prefills_of(fleet)
+    proxy = start_proxy(fleet, policy)
     turns = []
     for _ in range(REPEATS):
         for messages in conversation(policy):
@@ -90,6 +122,7 @@ def run(fleet: Any, policy: str) -> tuple[list[tuple[str, float, int]], Any]:
 @pytest.fixture(scope="module")
 def kv_fleet(fleet):
     fleet.up("kv")
+    warm_up(fleet)
     return fleet
 
 
