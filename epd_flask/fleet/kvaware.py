@@ -102,7 +102,7 @@ class KVAware:
             size = picture.block_size or 0
             if size not in keys:
                 keys[size] = prompt_keys(tokens, size, MAX_PROMPT_BLOCKS)
-            matched[url] = picture.matched(keys[size])
+            matched[url] = picture.matched(keys[size], tokens)
         blocks = max(len(k) for k in keys.values())
         order = policies.rendezvous_order(affinity.prefix, candidates) \
             if affinity.prefix is not None else list(candidates)

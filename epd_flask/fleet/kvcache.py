@@ -36,6 +36,8 @@ REMOVED_FIELDS = ("block_hashes", "medium")
 #: ~26 MB per instance in the worst case, and the oldest blocks go first.
 MAX_BLOCKS = 131072
 ROOT = b"epd-kv-root"
+#: The parent name of a chain whose real parent we never heard of (see ``CachePicture``).
+ORPHAN = b"epd-kv-orphan"
 KEY_BYTES = 16
 
 
@@ -158,9 +160,14 @@ def prompt_keys(tokens: Sequence[int], block_size: int, limit: int | None = None
 class CachePicture:
     """One instance's cached blocks by our key, least recently stored first.
 
-    ``ready`` once an event told the block size; a store whose parent is unknown (events
-    missed before we subscribed or in a gap) is ignored: without its parent its name
-    cannot be computed, and a later request could not match it anyway.
+    ``ready`` once an event told the block size. A store whose parent is unknown (stored
+    before we subscribed: a new worker after a reload, or events lost in a gap) cannot be
+    named from the root; it is named from ``ORPHAN`` and its first block kept as an orphan
+    root. vLLM only caches a block whose whole prefix it holds, so a prompt whose block j
+    has an orphan root's tokens is taken to be held up to there (``matched``): without
+    that, every conversation over a prefix cached before the worker subscribed (a hot
+    system prompt, which vLLM never stores again) would stay invisible. The price: a block
+    with the same tokens under another prefix matches too.
     """
 
     def __init__(self, max_blocks: int = MAX_BLOCKS) -> None:
@@ -168,7 +175,8 @@ class CachePicture:
         self.block_size: int | None = None
         self._theirs: OrderedDict[Hashable, bytes] = OrderedDict()
         self._ours: dict[bytes, Hashable] = {}
-        self.ignored = 0
+        self._roots: set[bytes] = set()
+        self.orphans = 0
 
     @property
     def ready(self) -> bool:
@@ -188,30 +196,33 @@ class CachePicture:
                 for theirs in event.block_hashes:
                     ours = self._theirs.pop(theirs, None)
                     if ours is not None and self._ours.get(ours) == theirs:
-                        del self._ours[ours]
+                        self._forget(ours)
             else:
                 self.clear()
 
     def clear(self) -> None:
         self._theirs.clear()
         self._ours.clear()
+        self._roots.clear()
+
+    def _forget(self, ours: bytes) -> None:
+        del self._ours[ours]
+        self._roots.discard(ours)
 
     def _store(self, event: Stored) -> None:
         if self.block_size != event.block_size:
             if self.block_size is not None:
                 self.clear()  # another engine configuration: nothing known still holds
             self.block_size = event.block_size
-        if event.parent is None:
-            parent = ROOT
-        else:
-            known = self._theirs.get(event.parent)
-            if known is None:
-                self.ignored += 1
-                return
-            parent = known
+        known = ROOT if event.parent is None else self._theirs.get(event.parent)
+        if known is None:
+            self.orphans += 1
+        parent = ORPHAN if known is None else known
         size = event.block_size
         for i, theirs in enumerate(event.block_hashes):
             parent = block_key(parent, event.token_ids[i * size:(i + 1) * size], event.salt)
+            if i == 0 and known is None:
+                self._roots.add(parent)
             previous = self._ours.get(parent)
             if previous is not None and previous != theirs:
                 self._theirs.pop(previous, None)  # the engine restarted with a new seed
@@ -221,14 +232,31 @@ class CachePicture:
         while len(self._theirs) > self.max_blocks:
             theirs, ours = self._theirs.popitem(last=False)
             if self._ours.get(ours) == theirs:
-                del self._ours[ours]
+                self._forget(ours)
 
-    def matched(self, keys: Sequence[bytes]) -> int:
-        """How many of ``keys`` (a prompt's blocks, in order) this instance holds from the
-        first on: the prefix a prefill there would not compute again."""
+    def matched(self, keys: Sequence[bytes], tokens: Sequence[int] = ()) -> int:
+        """How many of ``keys`` (a prompt's blocks, in order; ``tokens`` its token ids) this
+        instance holds from the first on: the prefix a prefill there would not compute
+        again. Past the blocks named from the root, a block whose tokens start an orphan
+        chain counts with all before it, and so does the rest of that chain it holds."""
         n = 0
         for key in keys:
             if key not in self._ours:
                 break
             n += 1
-        return n
+        if not self._roots or not tokens or self.block_size is None:
+            return n
+        size = self.block_size
+        best = n
+        for j in range(n, len(keys)):
+            key = block_key(ORPHAN, tokens[j * size:(j + 1) * size])
+            if key not in self._roots:
+                continue
+            m = j + 1
+            while m < len(keys):
+                key = block_key(key, tokens[m * size:(m + 1) * size])
+                if key not in self._ours:
+                    break
+                m += 1
+            best = max(best, m)
+        return best

@@ -4,6 +4,7 @@ publisher per instance) say what they hold (docs/behaviour.md#routing-policies).
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 import gevent
@@ -150,3 +151,45 @@ def test_kv_aware_follows_the_simulators_own_events_and_tokenize(sim, proxy) -> 
             [1 if p is warm else 0 for p in prefills]
         assert (answer["usage"].get("prompt_tokens_details") or {}).get(
             "cached_tokens", 0) >= 160
+
+
+def test_kv_aware_sees_conversations_over_a_prefix_cached_before_it_subscribed(
+        sim, proxy, caplog) -> None:
+    """A proxy (or a reload's new worker) that subscribes after a prefill cached a
+    conversation's head never hears that head stored; the turns stored on top of it later
+    still send the conversation there."""
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:0",
+              "topic": "kv"}
+    prefills = [sim("prefill", kv_events_config=config, block_size=32,
+                    prompt_tokens_details=True, max_model_len=4096) for _ in range(3)]
+    conversations = []
+    for n, topic in enumerate(("prefix cache", "KV block", "radix tree")):
+        turn1, _ = turns(topic)
+        # Several blocks of its own, so the blocks the next turn repeats are more than the
+        # last one (which holds the generation prompt the next turn does not repeat).
+        turn2 = [*turn1, {"role": "assistant", "content": f"A {topic} keeps entries. " * 12},
+                 {"role": "user", "content": "And when does it forget them? " * 6}]
+        chat(prefills[n].url, turn1)  # before any subscriber: its blocks are never heard of
+        conversations.append((prefills[n], turn2))
+    doc = {"settings": {"routing": {"prefill": "kv_aware"}},
+           "instances": [{"role": "prefill", "url": p.url, "kv_events": events_endpoint(p.url)}
+                         for p in prefills]
+           + [{"role": "decode", "url": sim("decode", max_model_len=4096).url}]}
+    px = proxy(doc, probes=True)
+    kv = px.services.kv_events
+    assert eventually(lambda: len(kv.readers) == 3
+                      and all(r.connected for r in kv.readers.values()))
+    gevent.sleep(0.2)  # the subscriptions travel to the publishers after the connection
+    for warm, turn2 in conversations:
+        chat(warm.url, turn2)  # stored on top of the unheard head
+        assert eventually(lambda w=warm: kv.picture(w.url) is not None)
+        turn3 = [*turn2, {"role": "assistant", "content": "When it is full."},
+                 {"role": "user", "content": "Which entries go first?"}]
+        before = served(prefills)
+        with caplog.at_level(logging.INFO, logger="epd_flask.requests"):
+            chat(px.url, turn3)
+        after = served(prefills)
+        assert [a - b for a, b in zip(after, before, strict=True)] == \
+            [1 if p is warm else 0 for p in prefills]
+        line = [r.getMessage() for r in caplog.records if r.name == "epd_flask.requests"][-1]
+        assert re.search(r"prefill:kv_aware\(blocks=[1-9]", line), line

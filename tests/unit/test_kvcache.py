@@ -87,12 +87,27 @@ def test_a_later_store_chains_on_its_parent_across_messages() -> None:
     assert picture.matched(prompt_keys(other, BLOCK)) == 2  # the longest prefix held
 
 
-def test_a_store_whose_parent_was_missed_is_ignored() -> None:
+def test_a_chain_whose_parent_was_missed_still_matches_from_where_it_starts() -> None:
+    """A worker that subscribed after the engine cached a prompt's head (a reload's new
+    worker) still sees the conversations built on it: vLLM holds a block only with its
+    whole prefix, so a held continuation means the head is held too."""
     engine = Engine(1)
     engine.store(PROMPT[:8])  # published before we subscribed
     picture = picture_of(engine.store(PROMPT))
-    assert picture.matched(prompt_keys(PROMPT, BLOCK)) == 0
-    assert picture.ignored == 1 and len(picture) == 0
+    assert picture.orphans == 1 and len(picture) == 2
+    keys = prompt_keys(PROMPT, BLOCK)
+    assert picture.matched(keys) == 0  # named from the root alone: unknown
+    assert picture.matched(keys, PROMPT) == 4
+    # A later turn stored under the orphan chain keeps matching to its end.
+    longer = PROMPT[:16] + list(range(500, 508))
+    picture.apply(kvcache.decode_batch(batch(*engine.store(longer))))
+    assert picture.matched(prompt_keys(longer, BLOCK), longer) == 6
+    # Another prompt that shares only the unseen head matches nothing beyond what it holds.
+    other = PROMPT[:8] + list(range(900, 908))
+    assert picture.matched(prompt_keys(other, BLOCK), other) == 0
+    # Removing the orphan root forgets the chain's start.
+    picture.apply([kvcache.Removed((engine.hash_of(PROMPT[:12]),))])
+    assert picture.matched(keys, PROMPT) == 0
 
 
 def test_removed_blocks_and_all_cleared_apply() -> None:
