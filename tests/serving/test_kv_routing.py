@@ -121,15 +121,18 @@ def events_endpoint(sim_url: str) -> str:
     return "tcp://127.0.0.1:" + sources["0"]["endpoint"].rsplit(":", 1)[1]
 
 
-def test_kv_aware_follows_the_simulators_own_events_and_tokenize(sim, proxy) -> None:
-    """The sims publish vLLM-format events and answer /tokenize: a conversation whose first
-    turn was computed on one prefill (even one the proxy never sent it to) has its second
-    turn sent there, and that prefill serves the shared blocks from its cache."""
-    # As vLLM: a * host binds (the sim binds its own host, 127.0.0.1), port 0 any port.
-    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:0",
-              "topic": "kv"}
-    prefills = [sim("prefill", kv_events_config=config, block_size=32,
-                    prompt_tokens_details=True, max_model_len=4096) for _ in range(3)]
+#: As vLLM: a * host binds (the sim binds its own host, 127.0.0.1), port 0 any port.
+EVENTS = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:0",
+          "topic": "kv"}
+
+
+def publishing_prefills(sim: Any) -> list[Any]:
+    return [sim("prefill", kv_events_config=EVENTS, block_size=32, prompt_tokens_details=True,
+                max_model_len=4096) for _ in range(3)]
+
+
+def kv_aware_proxy(sim: Any, proxy: Any, prefills: list[Any]) -> tuple[Any, Any]:
+    """A kv_aware proxy over ``prefills`` and a decode, once its readers are subscribed."""
     doc = {"settings": {"routing": {"prefill": "kv_aware"}},
            "instances": [{"role": "prefill", "url": p.url, "kv_events": events_endpoint(p.url)}
                          for p in prefills]
@@ -139,6 +142,15 @@ def test_kv_aware_follows_the_simulators_own_events_and_tokenize(sim, proxy) -> 
     assert eventually(lambda: len(kv.readers) == 3
                       and all(r.connected for r in kv.readers.values()))
     gevent.sleep(0.2)  # the subscriptions travel to the publishers after the connection
+    return px, kv
+
+
+def test_kv_aware_follows_the_simulators_own_events_and_tokenize(sim, proxy) -> None:
+    """The sims publish vLLM-format events and answer /tokenize: a conversation whose first
+    turn was computed on one prefill (even one the proxy never sent it to) has its second
+    turn sent there, and that prefill serves the shared blocks from its cache."""
+    prefills = publishing_prefills(sim)
+    px, kv = kv_aware_proxy(sim, proxy, prefills)
     for n, topic in enumerate(("prefix cache", "KV block", "radix tree")):
         turn1, turn2 = turns(topic)
         warm = prefills[n]  # the first turn computed there, by a client of its own
@@ -158,10 +170,7 @@ def test_kv_aware_sees_conversations_over_a_prefix_cached_before_it_subscribed(
     """A proxy (or a reload's new worker) that subscribes after a prefill cached a
     conversation's head never hears that head stored; the turns stored on top of it later
     still send the conversation there."""
-    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:0",
-              "topic": "kv"}
-    prefills = [sim("prefill", kv_events_config=config, block_size=32,
-                    prompt_tokens_details=True, max_model_len=4096) for _ in range(3)]
+    prefills = publishing_prefills(sim)
     conversations = []
     for n, topic in enumerate(("prefix cache", "KV block", "radix tree")):
         turn1, _ = turns(topic)
@@ -171,15 +180,7 @@ def test_kv_aware_sees_conversations_over_a_prefix_cached_before_it_subscribed(
                  {"role": "user", "content": "And when does it forget them? " * 6}]
         chat(prefills[n].url, turn1)  # before any subscriber: its blocks are never heard of
         conversations.append((prefills[n], turn2))
-    doc = {"settings": {"routing": {"prefill": "kv_aware"}},
-           "instances": [{"role": "prefill", "url": p.url, "kv_events": events_endpoint(p.url)}
-                         for p in prefills]
-           + [{"role": "decode", "url": sim("decode", max_model_len=4096).url}]}
-    px = proxy(doc, probes=True)
-    kv = px.services.kv_events
-    assert eventually(lambda: len(kv.readers) == 3
-                      and all(r.connected for r in kv.readers.values()))
-    gevent.sleep(0.2)  # the subscriptions travel to the publishers after the connection
+    px, kv = kv_aware_proxy(sim, proxy, prefills)
     for warm, turn2 in conversations:
         chat(warm.url, turn2)  # stored on top of the unheard head
         assert eventually(lambda w=warm: kv.picture(w.url) is not None)
