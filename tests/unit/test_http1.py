@@ -15,8 +15,8 @@ import pytest
 from epd_flask import __version__
 from epd_flask.core import errors
 from epd_flask.upstream.transport import Transport
+from tests.helpers import Handler, raw_servers, read_request
 
-Handler = Callable[[socket.socket], None]
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 2\r\n\r\nok"
 
 
@@ -24,51 +24,8 @@ OK = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 2\r\n\r\no
 def server() -> Iterator[Callable[[Handler], tuple[str, list[socket.socket]]]]:
     """``server(handler)``: a loopback listener running ``handler`` on each connection; gives
     its URL and the list of connections it accepted."""
-    listeners: list[socket.socket] = []
-    greenlets: list[gevent.Greenlet] = []
-
-    def start(handler: Handler) -> tuple[str, list[socket.socket]]:
-        listener = socket.socket()
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(16)
-        listeners.append(listener)
-        accepted: list[socket.socket] = []
-
-        def serve() -> None:
-            while True:
-                conn, _ = listener.accept()
-                accepted.append(conn)
-                greenlets.append(gevent.spawn(_run, handler, conn))
-
-        greenlets.append(gevent.spawn(serve))
-        return f"http://127.0.0.1:{listener.getsockname()[1]}", accepted
-
-    yield start
-    gevent.killall(greenlets, timeout=1)
-    for listener in listeners:
-        listener.close()
-
-
-def _run(handler: Handler, conn: socket.socket) -> None:
-    try:
-        handler(conn)
-    finally:
-        conn.close()
-
-
-def _read_request(conn: socket.socket) -> bytes:
-    data = b""
-    while b"\r\n\r\n" not in data:
-        part = conn.recv(65536)
-        if not part:
-            return data
-        data += part
-    head, _, body = data.partition(b"\r\n\r\n")
-    for line in head.split(b"\r\n"):
-        if line.lower().startswith(b"content-length:"):
-            while len(body) < int(line.split(b":")[1]):
-                body += conn.recv(65536)
-    return data
+    with raw_servers() as start:
+        yield start
 
 
 def answering(*answers: bytes, then_wait: float = 1.0,
@@ -76,7 +33,7 @@ def answering(*answers: bytes, then_wait: float = 1.0,
     """Answers the n-th request on a connection with ``answers[n]``."""
     def handle(conn: socket.socket) -> None:
         for raw in answers:
-            request = _read_request(conn)
+            request = read_request(conn)
             if not request:
                 return
             if seen is not None:
@@ -132,7 +89,7 @@ def test_a_header_that_would_split_the_request_is_refused_unsent(server, value: 
 
 def _reset(conn: socket.socket) -> None:
     """Reads the request, then closes with an RST (linger 0): the close is ``_run``'s."""
-    _read_request(conn)
+    read_request(conn)
     conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01" + b"\x00" * 7)
 
 
@@ -175,7 +132,7 @@ def test_a_reused_connection_cut_after_part_of_the_answer_is_not_replayed(server
     twice. (Only a connection that dies before any byte of the answer is replayed.)"""
     def handle(conn: socket.socket) -> None:
         answering(OK, then_wait=0)(conn)
-        _read_request(conn)
+        read_request(conn)
         conn.sendall(b"HTTP/1.1 200 OK\r\n")
         gevent.sleep(0.2)
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01" + b"\x00" * 7)
@@ -205,7 +162,7 @@ def test_a_reused_connection_cut_after_part_of_the_answer_is_not_replayed(server
 def test_a_connection_is_reused_only_when_the_server_keeps_it(server, first: bytes,
                                                               reused: bool) -> None:
     def handle(conn: socket.socket) -> None:
-        _read_request(conn)
+        read_request(conn)
         conn.sendall(first)
         if reused:
             answering(OK)(conn)
@@ -222,7 +179,7 @@ def test_a_connection_is_reused_only_when_the_server_keeps_it(server, first: byt
 
 def test_a_body_delimited_by_the_connection_end_is_read_to_it(server) -> None:
     def handle(conn: socket.socket) -> None:
-        _read_request(conn)
+        read_request(conn)
         conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\nfirst ")
         gevent.sleep(0.05)
         conn.sendall(b"second")
@@ -276,7 +233,7 @@ def test_the_host_header_as_http_client_wrote_it(url: str, host: str) -> None:
 def trickle(events: int, gap: float) -> Handler:
     """A chunked answer, one piece every ``gap`` seconds, as decode's tokens."""
     def handle(conn: socket.socket) -> None:
-        _read_request(conn)
+        read_request(conn)
         conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
         for n in range(events):
             gevent.sleep(gap)
@@ -329,7 +286,7 @@ def test_a_read_waits_its_whole_timeout_after_the_loop_was_held(server) -> None:
     is older when the relay held the loop): 0.4 s of work, then a piece 0.2 s later under a
     0.5 s chunk timeout arrives."""
     def handle(conn: socket.socket) -> None:
-        _read_request(conn)
+        read_request(conn)
         conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\none\r\n")
         gevent.sleep(0.6)
         conn.sendall(b"3\r\ntwo\r\n0\r\n\r\n")

@@ -13,63 +13,26 @@ import pytest
 
 from epd_flask.core import errors
 from epd_flask.upstream.transport import Transport
-from tests.helpers import free_port
-
-Handler = Callable[[socket.socket], None]
+from tests.helpers import Handler, free_port, raw_servers, read_request
 
 
 @pytest.fixture
 def server() -> Iterator[Callable[[Handler], str]]:
     """``server(handler)``: a listener on 127.0.0.1 whose every connection runs ``handler``."""
-    listeners: list[socket.socket] = []
-    greenlets: list[gevent.Greenlet] = []
-
-    def serve(listener: socket.socket, handler: Handler) -> None:
-        while True:
-            conn, _ = listener.accept()
-            greenlets.append(gevent.spawn(_run, handler, conn))
-
-    def start(handler: Handler) -> str:
-        listener = socket.socket()
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(16)
-        listeners.append(listener)
-        greenlets.append(gevent.spawn(serve, listener, handler))
-        return f"http://127.0.0.1:{listener.getsockname()[1]}"
-
-    yield start
-    gevent.killall(greenlets, timeout=1)
-    for listener in listeners:
-        listener.close()
-
-
-def _run(handler: Handler, conn: socket.socket) -> None:
-    try:
-        handler(conn)
-    finally:
-        conn.close()
-
-
-def _read_request(conn: socket.socket) -> bytes:
-    data = b""
-    while b"\r\n\r\n" not in data:
-        part = conn.recv(65536)
-        if not part:
-            break
-        data += part
-    return data
+    with raw_servers() as start:
+        yield lambda handler: start(handler)[0]
 
 
 def answer(raw: bytes, then_wait: float = 0.0) -> Handler:
     def handle(conn: socket.socket) -> None:
-        _read_request(conn)
+        read_request(conn)
         conn.sendall(raw)
         gevent.sleep(then_wait)
     return handle
 
 
 def silent(conn: socket.socket) -> None:
-    _read_request(conn)
+    read_request(conn)
     gevent.sleep(5)
 
 
@@ -186,7 +149,7 @@ def test_a_complete_body_gives_its_connection_back_and_an_abandoned_one_closes_i
 
     def handle(conn: socket.socket) -> None:
         connections.append(conn)
-        while request := _read_request(conn):
+        while request := read_request(conn):
             if b"/slow " in request:
                 conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
                              b"3\r\none\r\n")
@@ -222,7 +185,7 @@ def in_slices(raw: bytes, size: int, pause: float = 0.002) -> Handler:
     """Answers every request with ``raw``, written ``size`` bytes at a time."""
     def handle(conn: socket.socket) -> None:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        while _read_request(conn):
+        while read_request(conn):
             for i in range(0, len(raw), size):
                 conn.sendall(raw[i:i + size])
                 gevent.sleep(pause)
@@ -250,7 +213,7 @@ def test_framing_split_anywhere_decodes_the_same(server, size: int) -> None:
 
 def test_a_chunk_is_forwarded_before_its_end_arrives(server) -> None:
     def handle(conn: socket.socket) -> None:
-        _read_request(conn)
+        read_request(conn)
         conn.sendall(CHUNKED_HEAD + b"a\r\nhello")
         gevent.sleep(0.3)
         conn.sendall(b"world\r\n0\r\n\r\n")
@@ -280,7 +243,7 @@ def test_a_large_body_arrives_whole(server) -> None:
     received = []
 
     def handle(conn: socket.socket) -> None:
-        head = _read_request(conn)
+        head = read_request(conn)
         header, _, body = head.partition(b"\r\n\r\n")
         length = int(header.lower().split(b"content-length:")[1].split(b"\r\n")[0])
         while len(body) < length:
@@ -308,7 +271,7 @@ def interim_then_final(interim: bytes, pause: float = 0.05) -> tuple[Handler, li
 
     def handle(conn: socket.socket) -> None:
         connections.append(1)
-        while _read_request(conn):
+        while read_request(conn):
             body = b"answer-%d" % next(count)
             conn.sendall(interim)
             gevent.sleep(pause)
