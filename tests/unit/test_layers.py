@@ -37,8 +37,8 @@ def _layer_of(module: str) -> str | None:
     return parts[1]
 
 
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+def _module_name(path: Path, root: Path = ROOT) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
@@ -83,13 +83,18 @@ def _upward_imports(sources: dict[str, tuple[str, bool]]) -> list[str]:
     return upward
 
 
-def _package_sources() -> dict[str, tuple[str, bool]]:
-    return {_module_name(p): (p.read_text(encoding="utf-8"), p.name == "__init__.py")
-            for p in sorted(PACKAGE.rglob("*.py"))}
+def _package_sources(root: Path = ROOT) -> dict[str, tuple[str, bool]]:
+    """Every module of the ``epd_flask`` package under ``root``, by its dotted name."""
+    return {_module_name(p, root): (p.read_text(encoding="utf-8"), p.name == "__init__.py")
+            for p in sorted((root / "epd_flask").rglob("*.py"))}
+
+
+def _strays(sources: dict[str, tuple[str, bool]]) -> list[str]:
+    return [m for m in sources if _layer_of(m) not in (*LAYERS, APART, None)]
 
 
 def test_every_module_lives_in_a_known_package() -> None:
-    strays = [m for m in _package_sources() if _layer_of(m) not in (*LAYERS, APART, None)]
+    strays = _strays(_package_sources())
     assert not strays, f"modules outside the layered packages: {strays}"
 
 
@@ -113,6 +118,31 @@ def test_the_layer_rule_sees_upward_and_sideways_imports() -> None:
     ]
 
 
+def test_planted_files_are_caught_by_the_checks_the_real_tests_run(tmp_path: Path) -> None:
+    """A package tree on disk with one upward import (relative, from a subpackage), one
+    reach into the simulator and one module outside every layer: the same reading of files
+    and the same rules as the tests above report each, and only those."""
+    files = {
+        "epd_flask/__init__.py": "",
+        "epd_flask/fleet/__init__.py": "",
+        "epd_flask/fleet/picks.py": "from ..upstream import transport\n",
+        "epd_flask/serving/__init__.py": "",
+        "epd_flask/serving/connectors/__init__.py": "",
+        "epd_flask/serving/connectors/bad.py": "\n\nfrom ...web import api\n",
+        "epd_flask/observe/bad.py": "from epd_flask import sim\n",
+        "epd_flask/misc/__init__.py": "",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    sources = _package_sources(tmp_path)
+    assert _upward_imports(sources) == [
+        "epd_flask.observe.bad:1 observe -> sim (the simulator stands apart)",
+        "epd_flask.serving.connectors.bad:3 serving -> web",
+    ]
+    assert _strays(sources) == ["epd_flask.misc"]
+
+
 _MASTER_CHECK = """
 import runpy, sys
 for name in sys.argv[2:]:
@@ -123,13 +153,34 @@ print(",".join(bad))
 """
 
 
+def _master_loads(config: Path, modules: list[str], cwd: Path = ROOT) -> list[str]:
+    """What of ssl and gevent a fresh interpreter has loaded after importing ``modules`` and
+    running the gunicorn configuration file ``config``, as the master does (in a fresh
+    interpreter because pytest itself runs gevent-patched)."""
+    out = subprocess.run([sys.executable, "-c", _MASTER_CHECK, str(config), *modules],
+                         cwd=cwd, capture_output=True, text=True, timeout=60, check=True)
+    return [m for m in out.stdout.strip().split(",") if m]
+
+
 def test_master_side_imports_neither_ssl_nor_gevent() -> None:
-    """Run in a fresh interpreter: pytest itself runs gevent-patched."""
     assert MASTER_MODULES, "no control modules found"
-    out = subprocess.run(
-        [sys.executable, "-c", _MASTER_CHECK, str(ROOT / "etc" / "gunicorn.conf.py"),
-         *MASTER_MODULES],
-        cwd=ROOT, capture_output=True, text=True, timeout=60, check=True,
-    )
-    assert out.stdout.strip() == "", (
-        f"the master's imports load {out.stdout.strip()} (control: {MASTER_MODULES})")
+    loaded = _master_loads(ROOT / "etc" / "gunicorn.conf.py", MASTER_MODULES)
+    assert loaded == [], f"the master's imports load {loaded} (control: {MASTER_MODULES})"
+
+
+def test_the_master_check_sees_ssl_and_gevent_wherever_they_are_loaded(tmp_path: Path) -> None:
+    """The check must be able to fail: a control module that loads ssl (through an
+    innocent-looking standard module), one that imports gevent, and a configuration file
+    that does are each reported; clean ones are not."""
+    (tmp_path / "planted").mkdir()
+    (tmp_path / "planted" / "__init__.py").write_text("")
+    (tmp_path / "planted" / "clean.py").write_text("import json, logging\n")
+    (tmp_path / "planted" / "tls.py").write_text("import http.client\nimport urllib.request\n")
+    (tmp_path / "planted" / "hub.py").write_text("def f():\n    pass\nimport gevent\n")
+    clean_conf, bad_conf = tmp_path / "clean.conf.py", tmp_path / "bad.conf.py"
+    clean_conf.write_text("workers = 2\n")
+    bad_conf.write_text("import ssl\nworkers = 2\n")
+    assert _master_loads(clean_conf, ["planted.clean"], cwd=tmp_path) == []
+    assert _master_loads(clean_conf, ["planted.tls"], cwd=tmp_path) == ["_ssl", "ssl"]
+    assert _master_loads(clean_conf, ["planted.hub"], cwd=tmp_path) == ["gevent"]
+    assert _master_loads(bad_conf, ["planted.clean"], cwd=tmp_path) == ["_ssl", "ssl"]
