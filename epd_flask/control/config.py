@@ -1,53 +1,39 @@
 """Process-level settings from the environment (the roster holds the fleet-level ones).
 
 Environment variables are how gunicorn deployments, systemd units and containers configure a
-process; each is declared (type, default, check) in ``settings.py``, and this is the worker's
-typed view of them, with the checks that span several variables. Light on purpose (no
+process. ``ProxyConfig`` is the worker's typed view of them, generated from the declarations
+in ``settings.py``: one attribute per variable the app reads (``EnvVar.attribute``), with its
+declared type and default, plus the checks that span several variables. Light on purpose (no
 ``ssl``): the files named here are opened by the worker that uses them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import field, make_dataclass
+from typing import Any
 
 from epd_flask.control import settings
-from epd_flask.control.settings import default, read
 
 
-@dataclass(frozen=True)
-class ProxyConfig:
-    roster_path: str = default("EPD_ROSTER")
-    max_body_bytes: int = default("EPD_MAX_BODY_BYTES")
-    pool_maxsize: int = default("EPD_POOL_MAXSIZE")
-    max_in_flight: int = settings.ENV["EPD_MAX_IN_FLIGHT"].default_value({})
-    # A stopping worker closes a kept-alive client connection once it has been idle this long.
-    drain_idle_grace: float = default("EPD_DRAIN_IDLE_GRACE")
-    admin_api_key: str | None = None
-    # Sent as "Authorization: Bearer <key>" to prefill and decode instead of the client's own
-    # header. An environment variable, not a roster key: the roster is rewritten by the admin
-    # API and shown to operators, a secret should be neither.
-    backend_api_key: str | None = None
-    # Upstream connections and TLS (docs/behaviour.md#transport).
-    upstream_idle_timeout: float = default("EPD_UPSTREAM_IDLE_TIMEOUT")
-    upstream_keepalive: bool = default("EPD_UPSTREAM_KEEPALIVE")
-    upstream_ca_bundle: str | None = None
-    upstream_client_cert: str | None = None
-    upstream_client_key: str | None = None
-    # Edge.
-    api_keys: tuple[str, ...] = ()
-    max_json_depth: int = default("EPD_MAX_JSON_DEPTH")
-    admin_prefix: str = ""
-    # What upstream answers may cost a worker.
-    max_event_bytes: int = default("EPD_MAX_EVENT_BYTES")
-    max_upstream_body_bytes: int = default("EPD_MAX_UPSTREAM_BODY_BYTES")
-    # How long a client may take to send its request body.
-    body_timeout: float = default("EPD_BODY_TIMEOUT")
-    # Which URLs may be registered as instances (SSRF guard for the admin API).
-    instance_schemes: tuple[str, ...] = default("EPD_INSTANCE_SCHEMES")
-    instance_networks: tuple[str, ...] = field(default=())
+class _Checks:
+    """What a generated ``ProxyConfig`` does beyond holding values: the checks that span
+    several variables, and the serving keys of ``EPD_API_KEYS_FILE`` joined to
+    ``api_keys`` (in the constructor, so a config built from keyword arguments gets them
+    too)."""
+
+    admin_api_key: str | None
+    api_keys: tuple[str, ...]
+    api_keys_file: str | None
+    admin_prefix: str
+    upstream_client_cert: str | None
+    upstream_client_key: str | None
 
     def __post_init__(self) -> None:
+        if self.api_keys_file:
+            object.__setattr__(self, "api_keys", tuple(dict.fromkeys(
+                (*self.api_keys, *_file_keys(self.api_keys_file)))))
+        object.__setattr__(self, "admin_prefix", self.admin_prefix.strip())
         if self.admin_api_key and self.admin_api_key in self.api_keys:
             raise ValueError("ADMIN_API_KEY must not also be a serving key in EPD_API_KEYS; "
                              "give the admin API a key of its own")
@@ -61,53 +47,37 @@ class ProxyConfig:
             raise ValueError("EPD_ADMIN_PREFIX must not be under /v1, which nginx publishes")
         if self.upstream_client_key and not self.upstream_client_cert:
             raise ValueError("EPD_UPSTREAM_CLIENT_KEY needs EPD_UPSTREAM_CLIENT_CERT")
-    log_format: str = default("EPD_LOG_FORMAT")
-    log_upstream: bool = default("EPD_LOG_UPSTREAM")
-    state_dir: str | None = None
-    # GET /debug/worker: this worker's greenlets, connections and memory (leak checks, chaos).
-    debug_endpoints: bool = default("EPD_DEBUG_ENDPOINTS")
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> ProxyConfig:
-        return cls(
-            roster_path=read("EPD_ROSTER", environ),
-            max_body_bytes=read("EPD_MAX_BODY_BYTES", environ),
-            pool_maxsize=read("EPD_POOL_MAXSIZE", environ),
-            max_in_flight=read("EPD_MAX_IN_FLIGHT", environ),
-            drain_idle_grace=read("EPD_DRAIN_IDLE_GRACE", environ),
-            admin_api_key=read("ADMIN_API_KEY", environ),
-            backend_api_key=read("EPD_BACKEND_API_KEY", environ),
-            upstream_idle_timeout=read("EPD_UPSTREAM_IDLE_TIMEOUT", environ),
-            upstream_keepalive=read("EPD_UPSTREAM_KEEPALIVE", environ),
-            upstream_ca_bundle=read("EPD_UPSTREAM_CA_BUNDLE", environ),
-            upstream_client_cert=read("EPD_UPSTREAM_CLIENT_CERT", environ),
-            upstream_client_key=read("EPD_UPSTREAM_CLIENT_KEY", environ),
-            api_keys=_api_keys(environ),
-            max_json_depth=read("EPD_MAX_JSON_DEPTH", environ),
-            max_event_bytes=read("EPD_MAX_EVENT_BYTES", environ),
-            max_upstream_body_bytes=read("EPD_MAX_UPSTREAM_BODY_BYTES", environ),
-            body_timeout=read("EPD_BODY_TIMEOUT", environ),
-            admin_prefix=read("EPD_ADMIN_PREFIX", environ).strip(),
-            instance_schemes=read("EPD_INSTANCE_SCHEMES", environ),
-            instance_networks=read("EPD_INSTANCE_NETWORKS", environ),
-            log_format=read("EPD_LOG_FORMAT", environ),
-            log_upstream=read("EPD_LOG_UPSTREAM", environ),
-            state_dir=read("EPD_STATE_DIR", environ),
-            debug_endpoints=read("EPD_DEBUG_ENDPOINTS", environ),
-        )
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Any:
+        """Every variable the app reads, as declared; a bad one raises ValueError naming it."""
+        return cls(**{v.attribute: v.read(environ) for v in APP_VARS})
 
 
-def _api_keys(environ: Mapping[str, str] | None) -> tuple[str, ...]:
-    """Serving keys from EPD_API_KEYS (comma-separated) and/or EPD_API_KEYS_FILE (one per
-    line, ``#`` comments), the latter for keys mounted from a secret."""
-    keys = list(read("EPD_API_KEYS", environ))
-    path = read("EPD_API_KEYS_FILE", environ)
-    if path:
-        try:
-            with open(path, encoding="utf-8") as fh:
-                lines = fh.read().splitlines()
-        except OSError as exc:
-            raise ValueError(f"EPD_API_KEYS_FILE {path} cannot be read: "
-                             f"{exc.strerror or exc}") from None
-        keys += [s.strip() for s in lines if s.strip() and not s.lstrip().startswith("#")]
-    return tuple(dict.fromkeys(keys))
+def _file_keys(path: str) -> list[str]:
+    """Serving keys mounted from a secret: one per line, ``#`` comments."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            lines = fh.read().splitlines()
+    except OSError as exc:
+        raise ValueError(f"EPD_API_KEYS_FILE {path} cannot be read: "
+                         f"{exc.strerror or exc}") from None
+    return [s.strip() for s in lines if s.strip() and not s.lstrip().startswith("#")]
+
+
+def _annotation(var: settings.EnvVar) -> Any:
+    kind: Any = tuple[str, ...] if var.type is tuple else var.type
+    return kind | None if var.default_value({}) is None else kind
+
+
+#: The environment variables each worker's app reads, in declaration order.
+APP_VARS = tuple(v for v in settings.ENV.values() if settings.APP in v.read_by)
+
+ProxyConfig = make_dataclass(
+    "ProxyConfig",
+    [(v.attribute, _annotation(v), field(default=v.default_value({}))) for v in APP_VARS],
+    bases=(_Checks,), frozen=True,
+)
+ProxyConfig.__module__ = __name__
+ProxyConfig.__doc__ = ("The environment as each worker's app reads it, one attribute per "
+                       "declared variable (settings.py).")

@@ -49,7 +49,8 @@ class EnvVar:
     unless ``literal``: for gunicorn's own ``HOST``-style values an empty string is a value.
     ``shown`` is the README's default column where it is not the value itself. Each variable
     is also a flag of the ``epd-flask`` command (``EPD_WORKERS`` is ``--workers``), except a
-    ``secret``: a key on a command line is readable by every user of the host.
+    ``secret``: a key on a command line is readable by every user of the host. Each one the
+    app reads is an attribute of ``ProxyConfig`` (``config.py``), named by ``attribute``.
     """
 
     name: str
@@ -64,6 +65,13 @@ class EnvVar:
     shown: str | None = None
     secret: bool = False
     metavar: str | None = None
+    attr: str | None = None
+
+    @property
+    def attribute(self) -> str:
+        """Its name as an attribute of the worker's ``ProxyConfig`` (``EPD_MAX_BODY_BYTES``
+        is ``max_body_bytes``), unless ``attr`` says otherwise."""
+        return self.attr or self.name.removeprefix("EPD_").lower()
 
     @property
     def flag(self) -> str | None:
@@ -149,7 +157,8 @@ def _in_flight(env: Environ) -> int:
 
 _ENV_VARS = (
     EnvVar("EPD_ROSTER", str, DEFAULT_ROSTER, "roster file", (MASTER, APP),
-           shown="the packaged example (a checkout's `etc/roster.yaml`)", metavar="FILE"),
+           shown="the packaged example (a checkout's `etc/roster.yaml`)", metavar="FILE",
+           attr="roster_path"),
     EnvVar("EPD_ROSTER_MAX_BYTES", int, 256 * 1024,
            "a larger roster file is refused before it is read", (MASTER, APP)),
     EnvVar("EPD_ROSTER_MAX_INSTANCES", int, 1024,
@@ -162,14 +171,16 @@ _ENV_VARS = (
            literal=True, metavar="PORT"),
     EnvVar("EPD_WORKERS", int, None, "gunicorn workers (gevent: one per core)", (GUNICORN,),
            default_from=lambda env: os.cpu_count() or 1, shown="number of cores"),
+    # The app reads it only as the base of EPD_MAX_IN_FLIGHT's default.
     EnvVar("EPD_WORKER_CONNECTIONS", int, 1000, "concurrent connections per worker",
-           (GUNICORN, APP)),
+           (GUNICORN,)),
     # gunicorn accepts 0 for these three (no heartbeat limit, no grace, no keep-alive).
     EnvVar("EPD_WORKER_TIMEOUT", int, 60,
            "seconds a worker's loop may stay blocked before the master replaces it",
            (GUNICORN,), minimum=0),
+    # A worker's drain takes it from gunicorn's configuration (post_worker_init).
     EnvVar("EPD_GRACEFUL_TIMEOUT", int, 600,
-           "seconds old workers may finish their streams on reload/stop", (GUNICORN, APP),
+           "seconds old workers may finish their streams on reload/stop", (GUNICORN,),
            minimum=0),
     EnvVar("EPD_KEEPALIVE", int, 75, "seconds an idle client connection is kept open",
            (GUNICORN,), minimum=0),

@@ -5,6 +5,7 @@ environment variable around it."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import re
 import runpy
 from pathlib import Path
@@ -129,6 +130,35 @@ def test_defaults_that_depend_on_other_variables() -> None:
     assert settings.read("EPD_MAX_IN_FLIGHT", {"EPD_WORKER_CONNECTIONS": "10"}) == 9
     assert settings.read("EPD_MAX_IN_FLIGHT", {"EPD_WORKER_CONNECTIONS": "1"}) == 1
     assert ProxyConfig.from_env({}) == ProxyConfig()
+
+
+def test_the_config_has_one_attribute_per_variable_the_app_reads() -> None:
+    app_vars = [v for v in settings.ENV.values() if settings.APP in v.read_by]
+    fields = {f.name: f for f in dataclasses.fields(ProxyConfig)}
+    assert [v.attribute for v in app_vars] == list(fields)
+    assert [v.attribute for v in app_vars if v.attr] == ["roster_path"]
+    for var in app_vars:
+        assert fields[var.attribute].default == var.default_value({}), var.name
+    env = {"EPD_MAX_BODY_BYTES": "7", "EPD_ROSTER": "/x.yaml", "EPD_LOG_UPSTREAM": "on",
+           "EPD_INSTANCE_NETWORKS": "10.0.0.0/8, 127.0.0.1/32", "EPD_STATE_DIR": "/s"}
+    config = ProxyConfig.from_env(env)
+    assert (config.max_body_bytes, config.roster_path, config.log_upstream,
+            config.instance_networks, config.state_dir) \
+        == (7, "/x.yaml", True, ("10.0.0.0/8", "127.0.0.1/32"), "/s")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.max_body_bytes = 8  # type: ignore[misc]
+
+
+def test_serving_keys_from_the_variable_and_the_file(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("# mounted secret\nk2\n  k3  \n\nk1\n")
+    config = ProxyConfig.from_env({"EPD_API_KEYS": "k1,k2", "EPD_API_KEYS_FILE": str(keys)})
+    assert config.api_keys == ("k1", "k2", "k3")
+    assert ProxyConfig(api_keys_file=str(keys)).api_keys == ("k2", "k3", "k1")
+    with pytest.raises(ValueError, match=r"EPD_API_KEYS_FILE .*/gone cannot be read: No such"):
+        ProxyConfig.from_env({"EPD_API_KEYS_FILE": str(tmp_path / "gone")})
+    with pytest.raises(ValueError, match="ADMIN_API_KEY must not also be a serving key"):
+        ProxyConfig.from_env({"EPD_API_KEYS_FILE": str(keys), "ADMIN_API_KEY": "k3"})
 
 
 def _gunicorn_config(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> dict[str, object]:
