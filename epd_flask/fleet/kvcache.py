@@ -32,8 +32,9 @@ STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size",
                  "medium", "lora_name", "extra_keys")
 REMOVED_FIELDS = ("block_hashes", "medium")
 #: Blocks remembered per instance. vLLM's CPU default cache (4 GiB) of an 8B model holds
-#: ~2,000 blocks of 16 tokens and a large GPU holds ~100,000; at ~200 bytes a block this is
-#: ~26 MB per instance in the worst case, and the oldest blocks go first.
+#: ~2,000 blocks of 16 tokens and a large GPU holds ~100,000; at ~310 bytes a block (measured
+#: by tests/bench/kvpicture.py on a full picture) this is ~40 MB per instance per worker in the
+#: worst case, and the oldest blocks go first.
 MAX_BLOCKS = 131072
 ROOT = b"epd-kv-root"
 #: The parent name of a chain whose real parent we never heard of (see ``CachePicture``).
@@ -195,7 +196,7 @@ class CachePicture:
             elif isinstance(event, Removed):
                 for theirs in event.block_hashes:
                     ours = self._theirs.pop(theirs, None)
-                    if ours is not None and self._ours.get(ours) == theirs:
+                    if ours is not None:
                         self._forget(ours)
             else:
                 self.clear()
@@ -206,7 +207,7 @@ class CachePicture:
         self._roots.clear()
 
     def _forget(self, ours: bytes) -> None:
-        del self._ours[ours]
+        self._ours.pop(ours, None)
         self._roots.discard(ours)
 
     def _store(self, event: Stored) -> None:
@@ -221,18 +222,26 @@ class CachePicture:
         size = event.block_size
         for i, theirs in enumerate(event.block_hashes):
             parent = block_key(parent, event.token_ids[i * size:(i + 1) * size], event.salt)
+            self._hold(theirs, parent)
             if i == 0 and known is None:
                 self._roots.add(parent)
-            previous = self._ours.get(parent)
-            if previous is not None and previous != theirs:
-                self._theirs.pop(previous, None)  # the engine restarted with a new seed
-            self._theirs[theirs] = parent
-            self._theirs.move_to_end(theirs)
-            self._ours[parent] = theirs
         while len(self._theirs) > self.max_blocks:
-            theirs, ours = self._theirs.popitem(last=False)
-            if self._ours.get(ours) == theirs:
-                self._forget(ours)
+            _, ours = self._theirs.popitem(last=False)
+            self._forget(ours)
+
+    def _hold(self, theirs: Hashable, ours: bytes) -> None:
+        """Pair ``theirs`` with ``ours``, undoing any pairing either had: the two maps stay
+        one to one whatever the publisher sends (a hash reused for other tokens, the same
+        tokens under a new hash after a restart with a new seed), so the bound on one is a
+        bound on both."""
+        old_ours = self._theirs.pop(theirs, None)
+        if old_ours is not None and old_ours != ours:
+            self._forget(old_ours)
+        old_theirs = self._ours.get(ours)
+        if old_theirs is not None and old_theirs != theirs:
+            del self._theirs[old_theirs]
+        self._theirs[theirs] = ours
+        self._ours[ours] = theirs
 
     def matched(self, keys: Sequence[bytes], tokens: Sequence[int] = ()) -> int:
         """How many of ``keys`` (a prompt's blocks, in order; ``tokens`` its token ids) this

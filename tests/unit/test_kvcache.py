@@ -180,3 +180,36 @@ def test_prompt_keys_depend_on_every_earlier_block() -> None:
     assert a[0] != b[0] and a[1] != b[1]
     assert prompt_keys([1, 2, 3], BLOCK) == []
     assert len(prompt_keys(list(range(40)), BLOCK, limit=3)) == 3
+
+
+def test_one_hash_reused_for_many_stores_keeps_the_bound() -> None:
+    """A publisher that names every block with the same hash (a broken or hostile one) must
+    not grow the picture past its bound."""
+    picture = CachePicture(max_blocks=100)
+    for n in range(5000):
+        picture.apply([kvcache.Stored((7,), None, (n, n, n, n), BLOCK)])
+    assert len(picture) <= 100
+
+
+def test_the_bound_holds_for_any_event_sequence() -> None:
+    """Random stores, removals and clears over a small space of hashes and tokens (so hashes
+    and block names collide and repeat in every way): the picture never holds more than its
+    bound, and every block it holds can still be removed by the hash that stored it."""
+    rng = random.Random(5)
+    for _ in range(40):
+        picture = CachePicture(max_blocks=rng.choice((1, 3, 10)))
+        for _ in range(300):
+            roll = rng.random()
+            if roll < 0.75:
+                n = rng.randint(1, 4)
+                hashes = tuple(rng.randint(0, 12) for _ in range(n))
+                parent = rng.choice((None, rng.randint(0, 12)))
+                tokens = tuple(rng.randint(0, 2) for _ in range(n * BLOCK))
+                picture.apply([kvcache.Stored(hashes, parent, tokens, BLOCK)])
+            elif roll < 0.98:
+                picture.apply([kvcache.Removed(tuple(rng.randint(0, 12) for _ in range(2)))])
+            else:
+                picture.apply([kvcache.Cleared()])
+            assert len(picture) <= picture.max_blocks
+        picture.apply([kvcache.Removed(tuple(range(13)))])
+        assert len(picture) == 0  # nothing held that no hash names any more
