@@ -220,6 +220,10 @@ _ENV_VARS = (
            "seconds a client may take to send a request's head", (APP,)),
     EnvVar("EPD_BODY_TIMEOUT", float, 60.0,
            "seconds a client may take to send a request's body", (APP,)),
+    # A client that stops reading holds its stream's in-flight slot, and the decode sequence
+    # (KV blocks) behind it, for as long as its connection stays open.
+    EnvVar("EPD_CLIENT_WRITE_TIMEOUT", float, 30.0,
+           "seconds a client may accept no byte of its answer", (APP,)),
     # vLLM's events are hundreds of bytes (kilobytes with logprobs); relaying one means
     # holding it whole until its end.
     EnvVar("EPD_MAX_EVENT_BYTES", int, 4 * 1024 * 1024,

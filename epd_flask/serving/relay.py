@@ -7,6 +7,13 @@ on every exit, including the client going away (the WSGI server closes this gene
 is what frees the slot on the instance. A leg still running beside decode (Mooncake's
 prefill) is ended here too: given a moment to finish when decode completed, killed at once
 when the stream ended any other way.
+
+``decode_total_timeout`` bounds the relay as a whole, the time the server spends writing to
+a slow client included: while the relay waits on the server's write it reads nothing from
+decode, so no socket timeout of its own can fire. A loop timer at the deadline closes decode
+then (the instance aborts the request), and the relay ends with its in-band error as soon as
+the write returns. A client that accepts nothing at all is the worker's to reset
+(``EPD_CLIENT_WRITE_TIMEOUT``, web/worker.py).
 """
 
 from __future__ import annotations
@@ -14,6 +21,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
+
+import gevent
 
 from epd_flask.control.settings import default
 from epd_flask.core import errors
@@ -33,6 +42,44 @@ SIDE_LEG_GRACE = 2.0
 def end_side_leg(side: Call[Any] | None, completed: bool) -> None:
     if side is not None:
         side.stop(SIDE_LEG_GRACE if completed else 0.0)
+
+
+class WriteWatch:
+    """The total deadline of a relayed answer while the relay is suspended on a write.
+
+    ``writing`` is set around each ``yield``: a timer that fires then closes decode and
+    marks the relay expired (``check`` raises the total-timeout error when the relay
+    resumes); one that fires while the relay reads does nothing, that read's own timeout
+    being bounded by the same deadline. One timer per relay, nothing per event but two
+    attribute writes.
+    """
+
+    __slots__ = ("_resp", "_timer", "expired", "writing")
+
+    def __init__(self, resp: Upstream) -> None:
+        self._resp = resp
+        self.writing = False
+        self.expired = False
+        self._timer: Any = None
+        if resp.deadline is not None:
+            self._timer = gevent.get_hub().loop.timer(resp.deadline.left())
+            self._timer.start(self._fire)
+
+    def _fire(self) -> None:
+        if self.writing:
+            self.expired = True
+            self._resp.abort()
+
+    def check(self, stage: str) -> None:
+        """Back from a write: fail if the deadline passed during it."""
+        self.writing = False
+        if self.expired:
+            raise self._resp.total_timeout(stage)
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.close()
+            self._timer = None
 
 
 class Relayed:
@@ -93,6 +140,7 @@ def _sse(transport: Transport, resp: Upstream, ctx: RequestContext, stage: str,
     held: list[bytes] = []
     held_len = 0
     completed = False
+    watch = WriteWatch(resp)
     try:
         for chunk in transport.iter_raw(resp, stage) if chunks is None else chunks:
             cut = chunk.rfind(EVENT_END)
@@ -125,7 +173,9 @@ def _sse(transport: Transport, resp: Upstream, ctx: RequestContext, stage: str,
             if rewrite is not None and USAGE_KEY in out:
                 out = rewrite(out)
             ctx.relayed(len(out), out.count(EVENT_END))
+            watch.writing = True
             yield out
+            watch.check(stage)
         if held:
             rest = b"".join(held)
             ctx.relayed(len(rest), 0)
@@ -140,6 +190,7 @@ def _sse(transport: Transport, resp: Upstream, ctx: RequestContext, stage: str,
         ctx.finish(error="client disconnected")
         raise
     finally:
+        watch.close()
         resp.close()
         end_side_leg(side, completed)
 
@@ -152,10 +203,13 @@ def _too_large(stage: str, max_event: int) -> str:
 def _raw(transport: Transport, resp: Upstream, ctx: RequestContext, stage: str,
          chunks: Iterable[bytes] | None, side: Call[Any] | None) -> Iterator[bytes]:
     completed = False
+    watch = WriteWatch(resp)
     try:
         for chunk in transport.iter_raw(resp, stage) if chunks is None else chunks:
             ctx.relayed(len(chunk), 0)
+            watch.writing = True
             yield chunk
+            watch.check(stage)
         completed = True
         ctx.finish()
     except ProxyError as err:
@@ -166,5 +220,6 @@ def _raw(transport: Transport, resp: Upstream, ctx: RequestContext, stage: str,
         ctx.finish(error="client disconnected")
         raise
     finally:
+        watch.close()
         resp.close()
         end_side_leg(side, completed)

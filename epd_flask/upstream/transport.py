@@ -90,6 +90,17 @@ class Upstream:
     def close(self) -> None:
         self.raw.release()
 
+    def abort(self) -> None:
+        """Close the connection at once, whatever is left unread, so the instance stops the
+        work. Nothing else, and nothing that may block: it runs in an event-loop callback.
+        ``close`` still hands the pool back its slot."""
+        self.raw.conn.close()
+
+    def total_timeout(self, stage: str) -> BackendTimeout:
+        """The error for this call's ``total_timeout`` having passed."""
+        assert self.deadline is not None
+        return _total_timeout(stage, self.url, self.deadline)
+
 
 class Deadline:
     """A limit on a whole upstream call, status line and body together (``total_timeout``):

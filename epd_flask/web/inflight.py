@@ -2,11 +2,16 @@
 it, and the handles a shutdown needs to end the ones still running and close idle
 connections.
 
-A request counts from the moment the WSGI server hands it over until its body is closed, so a
-stream holds its slot for as long as it streams. Refusals are answered before the body is
-read: a worker past its cap spends microseconds per extra request, not the price of a JSON
-parse. Health, readiness and metrics routes are never refused, so probes keep telling the
-truth about a busy worker.
+A request counts against the cap from the moment its body has arrived (at once when it has
+none) until its answer is closed, so a stream holds its slot for as long as it streams.
+Refusals are answered before the body is read: a worker past its cap spends microseconds per
+extra request, not the price of a JSON parse; the cap is checked again when a body completes.
+A request still sending its body holds no slot: clients that trickle bodies would otherwise
+take every slot that requests whose bodies are in need (docs/behaviour.md#edge). Bodies in
+progress have their own bound, the same number as the cap: past it, a new request's body must
+arrive within ``BUSY_BODY_SECONDS`` instead of ``EPD_BODY_TIMEOUT`` (a body sent with its head
+always does), else 503 ``overloaded``. Health, readiness and metrics routes are never
+refused, so probes keep telling the truth about a busy worker.
 """
 
 from __future__ import annotations
@@ -28,6 +33,13 @@ from epd_flask.core.headers import REQUEST_ID_HEADER, request_id
 from epd_flask.serving.legs import SOCKET_KEYS
 
 logger = logging.getLogger(__name__)
+
+#: How long a body may take when ``limit`` bodies are already in progress: a body sent with
+#: its head is there at once, one a client trickles is refused before it holds a connection
+#: for ``EPD_BODY_TIMEOUT``.
+BUSY_BODY_SECONDS = 1.0
+#: Where a request with a body finds its ``BodyArrival`` (web/slowbody.py reads it).
+BODY_ARRIVAL = "epd_flask.body_arrival"
 
 #: Routes that answer about the worker itself: cheap, and needed most when it is busy.
 EXEMPT_PATHS = frozenset({"/health", "/healthz", "/ready", "/readyz", "/metrics", "/status",
@@ -51,6 +63,8 @@ class InFlight:
         self.rejected = 0
         self.draining = False
         self._active: dict[object, tuple[gevent.Greenlet, Any]] = {}
+        # The admitted requests whose body is still arriving: not counted against the cap.
+        self._receiving: set[object] = set()
         # Client connections seen and when each last finished a request, so a drain can end
         # the ones left idle (see end_idle).
         self._idle_since: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
@@ -59,7 +73,18 @@ class InFlight:
 
     @property
     def count(self) -> int:
+        """Every admitted request still running, its body arrived or not (what a drain
+        waits for)."""
         return len(self._active)
+
+    @property
+    def load(self) -> int:
+        """The requests counted against the cap: admitted, their body arrived."""
+        return len(self._active) - len(self._receiving)
+
+    @property
+    def receiving(self) -> int:
+        return len(self._receiving)
 
     def refusal(self) -> ProxyError | None:
         """Why a new request must be refused now (and count it), or None to admit it.
@@ -69,30 +94,54 @@ class InFlight:
         reach clients behind a proxy (nginx) that reuses its kept-alive connections, where
         serving it costs nothing but the same bounded wait as the requests already running.
         """
-        if len(self._active) >= self.limit:
-            self.rejected += 1
-            events.refused.fire("overloaded")
-            return Overloaded(f"this server is at its limit of {self.limit} concurrent "
-                              "requests; retry shortly")
+        if self.load >= self.limit:
+            return self._refused()
         return None
+
+    def _refused(self) -> Overloaded:
+        self.rejected += 1
+        events.refused.fire("overloaded")
+        return Overloaded(f"this server is at its limit of {self.limit} concurrent "
+                          "requests; retry shortly")
 
     def seen(self, connection: Any) -> None:
         """A request arrived on ``connection``; exempt routes count as done at once."""
         if connection is not None:
             self._idle_since[connection] = time.monotonic()
 
-    def enter(self, connection: Any = None) -> object:
+    def enter(self, connection: Any = None, receiving: bool = False) -> object:
+        """Admit a request; ``receiving``: its body is still to come, and it counts against
+        the cap only from ``arrived``."""
         token = object()
         self._active[token] = (gevent.getcurrent(), connection)
         self.seen(connection)
         self.admitted += 1
-        self.peak = max(self.peak, len(self._active))
-        events.load.fire(len(self._active), self.limit)
+        if receiving:
+            self._receiving.add(token)
+        else:
+            self._counted()
         return token
+
+    def arrived(self, token: object, check: bool = True) -> None:
+        """The request's body has arrived: it counts against the cap from now on, unless
+        ``check`` finds the cap reached meanwhile (raises ``Overloaded``; the request is
+        answered without ever counting)."""
+        if token not in self._receiving:
+            return
+        if check and self.load >= self.limit:
+            raise self._refused()
+        self._receiving.discard(token)
+        self._counted()
+
+    def _counted(self) -> None:
+        load = self.load
+        self.peak = max(self.peak, load)
+        events.load.fire(load, self.limit)
 
     def leave(self, token: object) -> None:
         _, connection = self._active.pop(token, (None, None))
-        events.load.fire(len(self._active), self.limit)
+        self._receiving.discard(token)
+        events.load.fire(self.load, self.limit)
         if connection is not None:
             self._idle_since[connection] = time.monotonic()
 
@@ -126,9 +175,37 @@ class InFlight:
         return [g for g, _ in self._active.values()]
 
     def snapshot(self) -> dict[str, Any]:
-        return {"in_flight": len(self._active), "limit": self.limit, "peak": self.peak,
-                "admitted": self.admitted, "rejected_overload": self.rejected,
-                "draining": self.draining}
+        return {"in_flight": self.load, "receiving_body": len(self._receiving),
+                "limit": self.limit, "peak": self.peak, "admitted": self.admitted,
+                "rejected_overload": self.rejected, "draining": self.draining}
+
+
+class BodyArrival:
+    """What the body reader (web/slowbody.py) reports to the cap about one request's body."""
+
+    __slots__ = ("busy", "done", "inflight", "token")
+
+    def __init__(self, inflight: InFlight, token: object, busy: bool) -> None:
+        self.inflight = inflight
+        self.token = token
+        #: Admitted with ``limit`` bodies already in progress: a short time to send it.
+        self.busy = busy
+        self.done = False
+
+    def arrived(self) -> None:
+        """The whole body is read; ``Overloaded`` if the cap was reached meanwhile."""
+        if not self.done:
+            self.done = True
+            self.inflight.arrived(self.token)
+
+    def too_slow(self, seconds: float) -> ProxyError:
+        """A busy worker's refusal of a body that took more than ``seconds``."""
+        self.done = True
+        self.inflight.rejected += 1
+        events.refused.fire("overloaded")
+        return Overloaded(f"this server is receiving {self.inflight.limit} request bodies "
+                          f"already, and this one did not arrive within {seconds:g} s; "
+                          "send the body with the request, or retry shortly")
 
 
 class InFlightMiddleware:
@@ -142,16 +219,27 @@ class InFlightMiddleware:
         if environ.get("PATH_INFO") in EXEMPT_PATHS:
             self.inflight.seen(connection_of(environ))
             return self.app(environ, start_response)
-        refusal = self.inflight.refusal()
+        inflight = self.inflight
+        refusal = inflight.refusal()
         if refusal is not None:
             return self._refuse(refusal, environ, start_response)
-        token = self.inflight.enter(connection_of(environ))
+        arrival = None
+        if has_body(environ):
+            busy = inflight.receiving >= inflight.limit
+            token = inflight.enter(connection_of(environ), receiving=True)
+            arrival = environ[BODY_ARRIVAL] = BodyArrival(inflight, token, busy)
+        else:
+            token = inflight.enter(connection_of(environ))
         try:
             result = self.app(environ, start_response)
         except BaseException:
-            self.inflight.leave(token)
+            inflight.leave(token)
             raise
-        return ClosingIterator(result, lambda: self.inflight.leave(token))
+        if arrival is not None and not arrival.done:
+            # Answered without reading its whole body (a refusal, or a route that reads none):
+            # what it sends from now on is served work.
+            inflight.arrived(token, check=False)
+        return ClosingIterator(result, lambda: inflight.leave(token))
 
     def _refuse(self, err: ProxyError, environ: dict[str, Any],
                 start_response: StartResponse) -> list[bytes]:
@@ -166,6 +254,14 @@ class InFlightMiddleware:
 
 
 _REASONS = {503: "Service Unavailable"}
+
+
+def has_body(environ: dict[str, Any]) -> bool:
+    """Does this request come with a body still to read (a length above 0, or chunked)?"""
+    length = environ.get("CONTENT_LENGTH")
+    if length and length != "0":
+        return True
+    return "chunked" in environ.get("HTTP_TRANSFER_ENCODING", "").lower()
 
 
 def connection_of(environ: dict[str, Any]) -> Any:

@@ -12,20 +12,26 @@ A head that misses its deadline closes the connection. The body is bounded by th
 nothing of the app; gunicorn's own gevent worker, which it extends, is imported there too.
 
 Each client socket also writes through ``LeanSendSocket``: a stream's every event is one
-``sendall``, and gevent's asks the kernel for the send buffer's size before every one.
+``sendall``, and gevent's asks the kernel for the send buffer's size before every one. The
+same ``sendall`` resets a client that accepts no byte for ``EPD_CLIENT_WRITE_TIMEOUT``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
+import socket
+import struct
 import weakref
 from typing import Any
 
 import gevent
 import gevent.socket
+from gevent.socket import wait_write
 from gunicorn.workers.ggevent import GeventWorker as _StockGeventWorker
 
-from epd_flask.control.settings import read
+from epd_flask.control.settings import default, read
 
 logger = logging.getLogger(__name__)
 
@@ -93,17 +99,33 @@ class HeadDeadline:
         return False
 
 
+class ClientWriteTimeout(ConnectionResetError):
+    """A client accepted no byte of its answer for ``EPD_CLIENT_WRITE_TIMEOUT`` seconds.
+
+    A ``ConnectionResetError`` because that is what the connection becomes: it is reset
+    (closed with linger 0), so the kernel drops the unsent bytes instead of retrying them
+    for minutes, and gunicorn handles it as a client gone: the response iterable is closed
+    (the relay closes decode, vLLM aborts the request) and nothing is logged as an error.
+    """
+
+
 class LeanSendSocket(gevent.socket.socket):
-    """A gevent socket whose ``sendall`` first tries one plain non-blocking ``send``.
+    """A gevent socket whose ``sendall`` is plain non-blocking ``send`` calls, and gives up on
+    a client that accepts no byte for ``write_timeout`` seconds.
 
     gevent's ``sendall`` reads ``SO_SNDBUF`` (a ``getsockopt`` syscall) to size its slices,
     then goes through three Python frames to the same ``send``: 2.5 us against 0.8 us for a
-    300-byte event on loopback. Whatever that one ``send`` leaves (a full buffer: a slow
-    client) goes to gevent's ``sendall``, which waits for the socket to drain under the
-    socket's own timeout as before; errors are the ones gevent's ``send`` would raise.
+    300-byte event on loopback. What that first ``send`` leaves (a full buffer: a slow client)
+    waits for the socket to turn writable, at most ``write_timeout`` at a time: the clock
+    restarts with every byte the client takes, so a slow reader is served and one that stopped
+    reading is not (a client that never reads would otherwise hold its stream, its in-flight
+    slot and the decode sequence behind it for as long as its connection stays open).
     """
 
     __slots__ = ()
+
+    #: Set by the worker from ``EPD_CLIENT_WRITE_TIMEOUT`` (one value per process).
+    write_timeout: float = default("EPD_CLIENT_WRITE_TIMEOUT")
 
     def sendall(self, data: Any, flags: int = 0) -> None:
         if type(data) is bytes and data:
@@ -114,7 +136,27 @@ class LeanSendSocket(gevent.socket.socket):
             if sent == len(data):
                 return
             data = memoryview(data)[sent:]
-        super().sendall(data, flags)
+        if self.timeout is not None:  # a timeout of its own (gunicorn's are blocking): gevent's
+            super().sendall(data, flags)
+            return
+        data = memoryview(data).cast("B")
+        while data:
+            try:
+                wait_write(self.fileno(), timeout=self.write_timeout)
+            except TimeoutError:
+                raise self._stalled() from None
+            try:
+                sent = self._sock.send(data, flags)
+            except BlockingIOError:
+                continue
+            data = data[sent:]
+
+    def _stalled(self) -> ClientWriteTimeout:
+        logger.info("a client accepted no byte of its answer for %g s "
+                    "(EPD_CLIENT_WRITE_TIMEOUT); its connection was reset", self.write_timeout)
+        with contextlib.suppress(OSError):
+            self.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        return ClientWriteTimeout(errno.ECONNRESET, "the client stopped reading its answer")
 
 
 def lean_client_socket(sock: Any) -> None:
@@ -143,6 +185,7 @@ class GeventWorker(_StockGeventWorker):
 
     def _bound_heads(self) -> None:
         self.header_timeout: float = read("EPD_HEADER_TIMEOUT")
+        LeanSendSocket.write_timeout = read("EPD_CLIENT_WRITE_TIMEOUT")
         # The connection each handler greenlet serves, and whether its next head is its
         # first: gunicorn's timeout_ctx() is called without either.
         self._connections: weakref.WeakKeyDictionary[Any, list[Any]] = \

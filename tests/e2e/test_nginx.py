@@ -19,7 +19,8 @@ import requests
 from tests.e2e.conftest import Launcher, Process
 from tests.e2e.edge import Nginx, nginx_binary
 from tests.e2e.load import Load, stream_chat
-from tests.helpers import RawStream, free_port, pd_roster
+from tests.e2e.test_stalled_readers import LONG_STREAM, WAIT, in_flight, read_rest, stall
+from tests.helpers import RawStream, eventually, free_port, pd_roster
 
 NGINX = nginx_binary()
 pytestmark = [
@@ -161,6 +162,33 @@ def test_client_disconnect_at_nginx_aborts_decode(front: Nginx, decode: Process)
           "the client left nginx")
     # 400 tokens at 50 ms would take 20 s: the abort came from the hang-up, not the end.
     assert after["last_abort_at"] - left_at < 2.0
+
+
+def test_a_client_that_stops_reading_at_nginx_frees_its_decode(tmp_path: Path) -> None:
+    """nginx stops reading gunicorn when its client stops reading (unbuffered), so
+    EPD_CLIENT_WRITE_TIMEOUT ends the stream and its decode behind nginx as it does without
+    it, before nginx's own send_timeout."""
+    launcher = Launcher(tmp_path)
+    edge = None
+    try:
+        sim = launcher.sim("prefill_decode", *LONG_STREAM)
+        gw = launcher.gunicorn(
+            {"settings": {}, "instances": [{"role": "prefill_decode", "url": sim.url}]},
+            env={"EPD_CLIENT_WRITE_TIMEOUT": "2"})
+        edge = Nginx(NGINX, tmp_path / "nginx", [gw.url.removeprefix("http://")])
+        sock = stall(edge.url)
+        try:
+            assert eventually(lambda: sim.stats()["streams_aborted"] == 1, WAIT), sim.stats()
+            assert eventually(lambda: in_flight(gw.url) == 0, WAIT)
+            rest, _ = read_rest(sock)
+            assert b"[DONE]" not in rest
+            assert sim.stats()["streams_completed"] == 0
+        finally:
+            sock.close()
+    finally:
+        if edge is not None:
+            edge.stop()
+        launcher.stop_all()
 
 
 @pytest.mark.parametrize(("method", "path"), PRIVATE_PATHS)

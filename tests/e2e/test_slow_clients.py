@@ -1,7 +1,7 @@
 """Slow clients through real gunicorn: heads and bodies sent a byte at a time hold the worker
-only for EPD_HEADER_TIMEOUT / EPD_BODY_TIMEOUT, while /health answers and completions are
-served again as soon as the slow bodies' slots are freed (/ready too: probes, like /health,
-are never refused for load)."""
+only for EPD_HEADER_TIMEOUT / EPD_BODY_TIMEOUT, while /health answers (/ready too: probes, like
+/health, are never refused for load) and completions are served: a body still arriving holds
+no in-flight slot (docs/behaviour.md#edge)."""
 
 from __future__ import annotations
 
@@ -129,13 +129,14 @@ def test_slow_heads_and_bodies_are_cut_while_health_and_completions_are_served(
           f"{CONNECTIONS} connections, {IN_FLIGHT} in flight; over {WINDOW} s: "
           f"/health and /ready {sum(h[1] == 200 for h in health)}/{len(health)} answered "
           f"(slowest {max(h[2] for h in health) * 1000:.0f} ms); completions "
-          f"{len(served)} served, {len(refused)} refused overloaded, first served at "
+          f"{len(served)} served, {len(refused)} refused, first served at "
           f"{min((c[0] for c in served), default=float('nan')):.2f} s; slow heads closed "
           f"after {head_cut[0]:.2f}-{head_cut[-1]:.2f} s, slow bodies answered after "
           f"{body_cut[0]:.2f}-{body_cut[-1]:.2f} s")
     assert all(h[1] == 200 for h in health) and len(health) >= 20
-    assert len(served) >= 5 and refused  # refused while the slow bodies held the slots
-    assert all(c[2] == "overloaded" for c in refused)
+    # Refusals here are the well-behaved requests queued behind the slow heads arriving at
+    # once; the slow bodies hold no slot (the test below).
+    assert len(served) >= 5 and all(c[2] == "overloaded" for c in refused)
     for s in slow_bodies:
         assert s.answer.startswith(b"HTTP/1.1 408 "), s.answer[:200]
         doc = json.loads(s.answer.split(b"\r\n\r\n", 1)[1])
@@ -165,3 +166,58 @@ def _read_response(sock: socket.socket) -> bytes:
     while len(body) < length:
         body += sock.recv(65536)
     return data
+
+
+TRICKLERS = 2 * IN_FLIGHT  # twice as many bodies in progress as the cap, reopened when cut
+TRICKLE_BODY_TIMEOUT = 3.0
+
+
+def test_bodies_in_progress_hold_no_slot_while_clients_trickle_them_again_and_again(
+        procs) -> None:
+    """Clients trickling bodies, each opening a new one as soon as the last is answered: the
+    first ``IN_FLIGHT`` get EPD_BODY_TIMEOUT and a 408; past that bound a body gets
+    BUSY_BODY_SECONDS and a 503; completions sent whole are served all along."""
+    p, d = procs["sim"]("prefill"), procs["sim"]("decode")
+    gw = procs["gunicorn"](
+        {"settings": {}, "instances": [{"role": "prefill", "url": p.url},
+                                       {"role": "decode", "url": d.url}]},
+        env={"EPD_MAX_IN_FLIGHT": str(IN_FLIGHT),
+             "EPD_BODY_TIMEOUT": str(TRICKLE_BODY_TIMEOUT)})
+    host = urlsplit(gw.url).netloc
+    payload = json.dumps(COMPLETION).encode() + b" " * 2000
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
+            ).encode()
+    window = TRICKLE_BODY_TIMEOUT * 2.5
+    started = time.monotonic()
+    slow: list[Slow] = []
+
+    def trickle_again() -> None:
+        while time.monotonic() - started < window:
+            s = Slow()
+            slow.append(s)
+            _trickle(gw.url, head, payload, s)
+
+    tricklers = [gevent.spawn(trickle_again) for _ in range(TRICKLERS)]
+    gevent.sleep(0.5)  # every trickler has a body in progress
+    completions: list[int] = []
+    while time.monotonic() - started < window:
+        completions.append(requests.post(gw.url + "/v1/completions", json=COMPLETION,
+                                         timeout=5).status_code)
+        gevent.sleep(0.2)
+    gevent.joinall(tricklers, timeout=TRICKLE_BODY_TIMEOUT * 2, raise_error=True)
+
+    statuses = [s.answer[9:12] for s in slow]
+    timed_out = [s.ended - s.started for s in slow if s.answer.startswith(b"HTTP/1.1 408 ")]
+    busy = [s for s in slow if s.answer.startswith(b"HTTP/1.1 503 ")]
+    print(f"\n{TRICKLERS} clients trickling bodies again and again, cap {IN_FLIGHT}: "
+          f"completions {completions.count(200)}/{len(completions)} served; slow bodies "
+          f"answered {sorted(set(statuses))}: {len(timed_out)} x 408, {len(busy)} x 503")
+    assert len(completions) >= 10 and set(completions) == {200}, completions
+    assert set(statuses) <= {b"408", b"503"}, statuses
+    assert timed_out and min(timed_out) >= TRICKLE_BODY_TIMEOUT - 0.1
+    assert busy  # beyond the bound, refused long before EPD_BODY_TIMEOUT
+    for s in busy:
+        doc = json.loads(s.answer.split(b"\r\n\r\n", 1)[1])
+        assert doc["error"]["code"] == "overloaded"
+        assert s.ended - s.started < TRICKLE_BODY_TIMEOUT

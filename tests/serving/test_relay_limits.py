@@ -29,6 +29,8 @@ STALL_BOUND = 1.0
 class _Resp:
     """Stands in for an upstream answer in the relay's ``finally``."""
 
+    deadline = None
+
     def close(self) -> None:
         pass
 

@@ -122,6 +122,9 @@ def test_nginx_and_gunicorn_timeouts_fit_together() -> None:
     # A stream may pause as long as epd-flask lets decode pause.
     [read] = nginx_directive(conf, "proxy_read_timeout")
     assert seconds(read) >= Settings().decode_timeout
+    # A client that stops reading is dropped no later than epd-flask would drop it.
+    [send] = nginx_directive(conf, "send_timeout")
+    assert seconds(send) <= settings.default("EPD_CLIENT_WRITE_TIMEOUT")
     [size] = nginx_directive(conf, "client_max_body_size")
     number, unit = re.fullmatch(r"(\d+)([kmg]?)", size.lower()).groups()  # type: ignore[union-attr]
     assert int(number) * SIZE_UNITS[unit] >= settings.default("EPD_MAX_BODY_BYTES")

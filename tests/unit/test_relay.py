@@ -37,6 +37,8 @@ SHORT = b'data: {"a":1}\n\ndata: {"usage":{"prompt_tokens":4}}\n\ndata: [DONE]\n
 
 
 class _Resp:
+    deadline = None
+
     def close(self) -> None:
         pass
 

@@ -1,6 +1,6 @@
 """The worker's client sockets write a stream's events with one plain ``send`` each, and are
 otherwise gevent's: bytes whole and in order past a full buffer, the socket timeout, the
-errors of a departed peer."""
+errors of a departed peer; a peer that takes no byte for the write timeout is reset."""
 
 from __future__ import annotations
 
@@ -50,6 +50,20 @@ def _pair(cls: type | None = None, sndbuf: int | None = None) -> tuple[Any, Any]
     return a, b
 
 
+def _tcp_pair() -> tuple[Any, Any]:
+    """A lean client socket over loopback TCP (what a reset is made of) and its peer."""
+    with gevent.socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        b = gevent.socket.socket()
+        b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        b.connect(listener.getsockname())
+        a, _ = listener.accept()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    worker.lean_client_socket(a)
+    return a, b
+
+
 def test_an_event_is_sent_without_asking_the_kernel_for_the_buffer_size() -> None:
     for cls, asks in ((_CountingStock, 10), (_CountingLean, 0)):
         _Asks.calls = []
@@ -89,6 +103,45 @@ def test_the_socket_timeout_still_bounds_a_send_the_peer_never_reads() -> None:
     a.settimeout(0.2)
     with pytest.raises(TimeoutError):
         a.sendall(b"x" * (8 * 1024 * 1024))
+    a.close()
+    b.close()
+
+
+def test_a_peer_that_takes_no_byte_for_the_write_timeout_is_reset(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(worker.LeanSendSocket, "write_timeout", 0.3)
+    a, b = _tcp_pair()
+    with pytest.raises(worker.ClientWriteTimeout) as info:
+        a.sendall(b"x" * (8 * 1024 * 1024))
+    assert isinstance(info.value, ConnectionResetError)
+    a.close()
+    b.settimeout(5)
+    with pytest.raises(ConnectionResetError):  # linger 0: the peer sees a reset, not an end
+        while b.recv(1 << 20):
+            pass
+    b.close()
+
+
+def test_a_slow_reader_is_served_past_the_write_timeout(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The timeout restarts with every byte taken: a reader slower than the whole write but
+    never idle for the timeout gets every byte."""
+    monkeypatch.setattr(worker.LeanSendSocket, "write_timeout", 0.3)
+    a, b = _pair(sndbuf=4096)
+    data = os.urandom(256 * 1024)
+    got = bytearray()
+
+    def read_slowly() -> None:
+        while len(got) < len(data):
+            got.extend(b.recv(16 * 1024))
+            gevent.sleep(0.05)
+
+    reader = gevent.spawn(read_slowly)
+    started = gevent.get_hub().loop.now()
+    a.sendall(data)
+    reader.join(timeout=20)
+    assert bytes(got) == data
+    assert gevent.get_hub().loop.now() - started > 0.3  # longer than the timeout in all
     a.close()
     b.close()
 
