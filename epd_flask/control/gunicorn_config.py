@@ -101,21 +101,30 @@ def on_starting(server):
 def when_ready(server):
     # Re-read the roster as soon as SIGHUP arrives, even while gunicorn still waits for the
     # old workers of an earlier reload to finish their streams.
-    _epd_reload.install_hup_handler(server)
+    reloader = _epd_reload.of(server)
+    if reloader is not None:
+        reloader.install_hup_handler()
 
 
 def on_reload(server):
     """SIGHUP: re-read the roster. A bad one is logged and the last good one stays; gunicorn
     then starts new workers from the good copy and lets the old ones finish their streams."""
-    _epd_reload.on_reload(server)
+    reloader = _epd_reload.of(server)
+    if reloader is not None:
+        reloader.on_reload()
 
 
 def post_fork(server, worker):
-    """``gunicorn -k gevent wsgi:app`` overrides ``worker_class`` above with gunicorn's stock
+    """The new worker keeps the roster its master validated last (it boots from it when the
+    state directory's copy is gone or older).
+
+    ``gunicorn -k gevent wsgi:app`` overrides ``worker_class`` above with gunicorn's stock
     gevent worker, which has no bound on the time a client takes to send a request's head;
     upgrade it to ours in the fresh child. Both are named, not imported: gunicorn loads worker
     classes itself, and this module stays free of gevent."""
     from gunicorn.util import load_class
+
+    _epd_reload.inherit(server)
 
     stock = type(worker)
     if f"{stock.__module__}.{stock.__qualname__}" == STOCK_GEVENT_WORKER:
@@ -146,7 +155,9 @@ def child_exit(server, worker):
 
 def on_exit(server):
     metricsdir.cleanup()
-    _epd_reload.cleanup(server)
+    reloader = _epd_reload.of(server)
+    if reloader is not None:
+        reloader.cleanup()
 
 
 def worker_exit(server, worker):

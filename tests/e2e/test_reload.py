@@ -376,3 +376,36 @@ def test_an_edit_applies_while_an_earlier_reload_still_drains(procs, tmp_path) -
              and len(log_lines(gw, "inherited the health")) >= 4, what="the queued reload")
     print(f"\nsecond SIGHUP -> first request on its new decode: {reached[0] - hup2:.3f} s; "
           f"the long stream of the first reload ended {long_done[0] - hup2:.3f} s after it")
+
+
+def test_new_workers_inherit_a_reload_the_master_could_not_publish(procs, tmp_path) -> None:
+    """The state directory's copy cannot be written (here its name is taken by a directory):
+    the workers a SIGHUP starts, and a worker started later to replace one that died, serve
+    the roster the master validated, handed to them through fork (post_fork), even once the
+    file itself is broken."""
+    p = procs["sim"]("prefill")
+    d1, d2 = procs["sim"]("decode"), procs["sim"]("decode")
+    roster_file = tmp_path / "roster.yaml"
+    pre = {"role": "prefill", "url": p.url}
+    write_roster(roster_file, [pre, {"role": "decode", "url": d1.url}])
+    gw = procs["gunicorn"](None, roster_file=roster_file, workers=1)
+    published = tmp_path / f"state-{gw.url.rsplit(':', 1)[1]}" / "roster.json"
+    published.unlink()
+    published.mkdir()
+    write_roster(roster_file, [pre, {"role": "decode", "url": d2.url}])
+    os.kill(gw.proc.pid, signal.SIGHUP)
+    wait_for(lambda: log_lines(gw, "cannot publish the reloaded roster"),
+             what="the failed publish")
+    wait_for(lambda: d2.url in requests.get(gw.url + "/status", timeout=5).text, timeout=30,
+             what="a new worker serving the reloaded roster")
+    (worker,) = wait_for(lambda: len(gw.workers()) == 1 and gw.workers(), timeout=30,
+                         what="the old worker's exit")
+    roster_file.write_text("instances: [\n")  # what a worker must never boot from
+    os.kill(worker, signal.SIGKILL)
+    wait_for(lambda: gw.workers() - {worker}, timeout=30, what="the replacement worker")
+    wait_for(lambda: requests.get(gw.url + "/ready", timeout=5).ok, timeout=30,
+             what="the replacement worker ready")
+    with requests.Session() as s:
+        assert stream(s, gw.url, 4)["complete"]
+    assert gw.proc.poll() is None
+    assert completion_times(d2) and not completion_times(d1)

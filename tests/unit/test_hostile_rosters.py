@@ -58,12 +58,10 @@ def test_a_roster_path_pointing_at_another_file_never_echoes_it(
     good.write_text(GOOD)
     monkeypatch.setenv("EPD_ROSTER", str(good))
     monkeypatch.setenv(STATE_DIR_ENV, str(tmp_path / "state"))
-    monkeypatch.setattr(reload, "_handoff", None)
-    server = FakeArbiter()
-    reload.start(server)
+    reloader = reload.start(FakeArbiter())
     monkeypatch.setenv("EPD_ROSTER", str(path))
     with caplog.at_level(logging.INFO, logger="test.master"):
-        reload.refresh(server)
+        reloader.refresh()
     assert "REJECTED" in caplog.text and SECRET not in caplog.text
 
 
@@ -176,9 +174,8 @@ from epd_flask.control.roster import load
 class Arbiter:
     log = logging.getLogger("master")
 
-server = Arbiter()
-reload.start(server)
-reload.install_hup_handler(server)
+reloader = reload.start(Arbiter())
+reloader.install_hup_handler()
 def slow_load(path):
     time.sleep(1.0)  # a roster at the size limit, parsed by PyYAML on a loaded host
     return load(path)
@@ -188,9 +185,9 @@ with open(os.environ["EPD_ROSTER"], "a") as fh:
 started = time.monotonic()
 os.kill(os.getpid(), signal.SIGHUP)  # the handler runs before the next line
 returned = time.monotonic() - started
-while reload.handed_over().generation < 2 and time.monotonic() - started < 10:
+while reloader.handoff.generation < 2 and time.monotonic() - started < 10:
     time.sleep(0.01)
-print(f"{returned:.4f} {time.monotonic() - started:.4f} {reload.handed_over().generation}")
+print(f"{returned:.4f} {time.monotonic() - started:.4f} {reloader.handoff.generation}")
 """
 
 

@@ -220,18 +220,16 @@ def test_the_master_refuses_a_prefill_model_no_decode_serves(
     path.write_text(ORPHAN_MODEL)
     monkeypatch.setenv("EPD_ROSTER", str(path))
     monkeypatch.setenv(STATE_DIR_ENV, str(tmp_path / "state"))
-    monkeypatch.setattr(reload, "_handoff", None)
     with pytest.raises(RuntimeError, match=r"cannot start.*http://p:1.*'qwen'"):
         reload.start(Arbiter())
     path.write_text(ORPHAN_MODEL.replace("models: [llama]}", "models: [llama, qwen]}"))
-    server = Arbiter()
-    reload.start(server)
+    reloader = reload.start(Arbiter())
     try:
         path.write_text(ORPHAN_MODEL)
         with caplog.at_level(logging.ERROR, logger="test.master"):
-            reload.refresh(server)
+            reloader.refresh()
         assert "REJECTED" in caplog.text and "'qwen'" in caplog.text
         state = StateDir.from_env()
         assert state is not None and state.published().generation == 1
     finally:
-        reload.cleanup(server)
+        reloader.cleanup()

@@ -262,50 +262,53 @@ def master(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     path.write_text(COMMENTED)
     monkeypatch.setenv("EPD_ROSTER", str(path))
     monkeypatch.delenv(STATE_DIR_ENV, raising=False)
-    monkeypatch.setattr(reload, "_handoff", None)
+    monkeypatch.setattr(reload, "_inherited", None)
     server = FakeArbiter()
-    reload.start(server)
-    yield server, path
-    reload.cleanup(server)
+    reloader = reload.start(server)
+    yield reloader, path
+    reloader.cleanup()
 
 
 def test_master_publishes_a_good_roster_and_keeps_it_on_a_bad_edit(
         master: Any, caplog: pytest.LogCaptureFixture) -> None:
-    server, path = master
+    reloader, path = master
     state = StateDir.from_env()
     assert state is not None and state.published().generation == 1
+    assert reload.of(reloader.server) is reloader and reloader.state.path == state.path
     path.write_text(COMMENTED + '  - {role: decode, url: "http://127.0.0.1:8300"}\n')
-    reload.refresh(server)
+    reloader.refresh()
     assert state.published().generation == 2
     assert len(state.published().roster.instances) == 3
-    reload.refresh(server)  # nothing changed: no new generation
+    reloader.refresh()  # nothing changed: no new generation
     assert state.published().generation == 2
     path.write_text("instances: [{role: decode, url: 'http://h:1', dp_sise: 2}]\n")
     with caplog.at_level(logging.ERROR, logger="test.master"):
-        reload.refresh(server)
+        reloader.refresh()
     assert "REJECTED" in caplog.text and "dp_sise" in caplog.text
     assert state.published().generation == 2
+    reload.inherit(reloader.server)  # a worker forked now
     roster, generation = reload.boot_roster(str(path), state)
     assert generation == 2 and len(roster.instances) == 3
     path.write_text("instances: [\n")
-    reload.refresh(server)  # broken YAML: rejected too, never raised
+    reloader.refresh()  # broken YAML: rejected too, never raised
     assert "not valid YAML" in caplog.text
     # Every pass is counted where the workers' /metrics reads it (the start is not a reload).
     assert state.reloads() == {"sighup/ok": 2, "sighup/rejected": 2}
 
 
 def test_a_new_master_counts_reloads_from_zero(master: Any) -> None:
-    server, _ = master
+    reloader, _ = master
     state = StateDir.from_env()
     assert state is not None
-    reload.refresh(server)
+    reloader.refresh()
     assert state.reloads() == {"sighup/ok": 1}
-    reload.start(server)
+    reload.start(FakeArbiter())
     assert state.reloads() == {}
 
 
 def test_workers_boot_from_the_master_copy_when_the_state_dir_is_gone(master: Any) -> None:
-    _, path = master
+    reloader, path = master
+    reload.inherit(reloader.server)  # what post_fork does in a new worker
     state = StateDir.from_env()
     path.write_text("garbage: [")  # a worker must never read this
     (state.path / "roster.json").unlink()
@@ -324,7 +327,7 @@ def test_a_bad_roster_stops_start_up_with_the_reason(
 
 
 def test_no_master_means_the_file_itself(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(reload, "_handoff", None)
+    monkeypatch.setattr(reload, "_inherited", None)
     path = tmp_path / "roster.yaml"
     path.write_text(yaml.safe_dump({"instances": [{"role": "decode", "url": "http://h:1"}]}))
     roster, generation = reload.boot_roster(str(path), None)
