@@ -33,7 +33,7 @@ SERVICE_USER ?= epd-flask
 
 export EPD_ROSTER
 
-.PHONY: run test test-vllm chaos lint bench bench-fleet reload check-roster install-service service-unit clean
+.PHONY: run test test-vllm chaos lint bench bench-fleet bench-micro reload check-roster install-service service-unit clean
 
 $(STAMP): setup.cfg setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -82,17 +82,28 @@ $(BENCH_VENV)/.installed:
 	    vllm-router==$(VLLM_ROUTER_VERSION) $(EPD_PROXY_PEER_LIBS) py-spy
 	touch $@
 
-## bench: epd-flask vs direct-to-decode vs vllm-router vs vLLM's EPD proxy on loopback; writes
-## docs/benchmarks.md
+## bench: epd-flask vs direct-to-decode vs vllm-router vs vLLM's EPD proxy on loopback; replaces
+## its block of docs/benchmarks.md (a partial run, e.g. BENCH_ARGS=--only a32, writes none)
 bench: $(STAMP) $(BENCH_VENV)/.installed
 	$(BIN)/python tests/bench/run.py --router $(BENCH_VENV)/bin/vllm-router \
 	    --epd-proxy $(EPD_PROXY_COPY) --epd-proxy-python $(BENCH_VENV)/bin/python $(BENCH_ARGS)
 
 ## bench-fleet: routing policies on a simulated 4 prefill + 4 decode fleet with a cost model,
 ## epd-flask's policies vs vllm-router's, light and at 80 % of prefill capacity; writes
-## docs/benchmarks.md (~11 minutes; BENCH_ARGS=--short: ~4, no report)
+## docs/benchmarks.md (~11 minutes; BENCH_ARGS=--short: ~4, writes none)
 bench-fleet: $(STAMP) $(BENCH_VENV)/.installed
 	$(BIN)/python tests/bench/fleet.py --router $(BENCH_VENV)/bin/vllm-router $(BENCH_ARGS)
+
+## bench-micro: the hot path's pieces in one process each (the proxy's own work per request,
+## one upstream call, one relayed event) and the fleet model's many traces; replaces their
+## blocks of docs/benchmarks.md (~3 minutes, nothing to install)
+bench-micro: $(STAMP)
+	$(BIN)/python -m gevent.monkey tests/bench/hotpath.py --multiprocess --report docs/benchmarks.md
+	$(BIN)/python tests/bench/upstream_call.py --report docs/benchmarks.md
+	$(BIN)/python -m gevent.monkey --module tests.bench.relaycost --report docs/benchmarks.md
+	$(BIN)/python tests/bench/fleetmodel.py --seeds 30 --report docs/benchmarks.md
+	$(BIN)/python tests/bench/fleetmodel.py --seeds 30 --utilisation 0 --duration 15 --rate 3 \
+	    --report docs/benchmarks.md
 
 check-roster: $(STAMP)
 	$(BIN)/epd-flask-check-roster $(EPD_ROSTER)

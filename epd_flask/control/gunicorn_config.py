@@ -144,7 +144,7 @@ def post_worker_init(worker):
         services.drain.watch(lambda: worker.alive, worker.cfg.graceful_timeout)
     # What is loaded now (the app, its services, their greenlets) lives as long as the worker:
     # out of the collector's generations, a full collection under hundreds of streams walks
-    # only what the requests made (docs/benchmarks.md, issue 15: c's TTFT p99).
+    # only what the requests made (docs/benchmarks.md#what-bounds-the-make-bench-figures).
     gc.freeze()
 
 

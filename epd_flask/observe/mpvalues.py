@@ -4,11 +4,11 @@ in a worker whose threads are greenlets.
 In multiprocess mode every ``inc``, ``set`` and histogram ``observe`` takes one process-wide
 lock (a gevent lock once gevent patched ``threading``) and calls ``os.getpid()`` to notice a
 fork, then writes the value into the process's mmap file: 0.87 us per update, ~23 updates per
-non-stream request (docs/benchmarks.md, issue 15). Under gevent the handlers are greenlets of
-one thread and an update never yields, so the lock can never be contended; and a fork is
-noticed by ``os.register_at_fork`` instead of asked for on every update. What is written, and
-when, is unchanged: each update still goes to the file at once, so a scrape right after a
-request sees it. 0.19 us per update.
+non-stream request (docs/benchmarks.md#the-proxys-own-work-per-request-hotpathpy). Under gevent
+the handlers are greenlets of one thread and an update never yields, so the lock can never be
+contended; and a fork is noticed by ``os.register_at_fork`` instead of asked for on every
+update. What is written, and when, is unchanged: each update still goes to the file at once,
+so a scrape right after a request sees it. 0.19 us per update.
 """
 
 from __future__ import annotations

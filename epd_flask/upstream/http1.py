@@ -5,7 +5,8 @@ urllib3 still keeps the sockets (a pool per instance, connecting, TLS, the liven
 retiring: ``pools.py``); what it and http.client did per call on top of that (urlopen's
 bookkeeping, one validated ``putheader`` per header, a buffered reader, the status line and
 header block parsed line by line in Python, urllib3's response object) was ~70 us of CPU per
-call against ~10 us for the same bytes on a raw socket (docs/benchmarks.md, issue 15).
+call against ~10 us for the same bytes on a raw socket
+(docs/benchmarks.md#one-upstream-call-upstream_callpy).
 
 Failures are raised as the urllib3 and http.client exceptions those libraries raised for the
 same event, so ``transport.py`` maps each to the same error, message and detail as before.

@@ -178,8 +178,9 @@ def health() -> Response:
 @bp.get("/readyz")
 @bp.get("/healthcheck")
 def ready() -> Response:
-    """Readiness; ``/healthcheck`` is the probe path of the Rust seed proxy, so deployments
-    moved from it keep working instead of having their probe forwarded to decode."""
+    """Readiness; ``/healthcheck`` is a probe path other proxies in front of vLLM answer, so
+    deployments moved from one keep working instead of having their probe forwarded to decode
+    (docs/behaviour.md#edge)."""
     svc = services()
     ok, reason = svc.pipeline.ready()
     if svc.inflight.draining:

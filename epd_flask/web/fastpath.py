@@ -2,13 +2,14 @@
 
 Flask spends ~37 us of CPU per request around a view (its request and app contexts, URL
 matching, the ``request`` proxy, finalizing the response) on top of what werkzeug's own
-``Request`` and ``Response`` cost (docs/benchmarks.md, issue 15). For the routes every
-completion takes, this WSGI layer builds Flask's own request class straight from the environ
-and calls the same view function as Flask's route (``api.completion``): the edge checks,
-validation, request ids, log line and metrics are that function's, and the response is the
-same ``Response`` object, written by werkzeug as Flask would write it. A view that raises is
-answered by Flask itself, in a request context made for the occasion, so the error handlers,
-the 500 and its logging are Flask's and exist once. Every other request goes to Flask.
+``Request`` and ``Response`` cost (docs/benchmarks.md#the-proxys-own-work-per-request-hotpathpy).
+For the routes every completion takes, this WSGI layer builds Flask's own request class
+straight from the environ and calls the same view function as Flask's route
+(``api.completion``): the edge checks, validation, request ids, log line and metrics are that
+function's, and the response is the same ``Response`` object, written by werkzeug as Flask
+would write it. A view that raises is answered by Flask itself, in a request context made
+for the occasion, so the error handlers, the 500 and its logging are Flask's and exist once.
+Every other request goes to Flask.
 """
 
 from __future__ import annotations

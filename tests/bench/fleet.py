@@ -9,14 +9,16 @@ events) kv_aware. Two scenarios, one invocation:
 - ``light``: figures for an 8B model on one H100 (FIGURES; sources in docs/benchmarks.md); the
   trace offers a few percent of the fleet's prefill capacity;
 - ``loaded``: the same figures but a prefill throughput scaled down so that round_robin's
-  prefill work is ``UTILISATION`` of the fleet's capacity (``loaded_figures``), which is the
-  issue's "80 % of capacity" run without driving 15x the rate through 2 CPUs.
+  prefill work is ``UTILISATION`` of the fleet's capacity (``loaded_figures``): a fleet at 80 %
+  of its capacity without driving 15x the rate through 2 CPUs.
 Before each target the sims are reset (counters, prefix caches, engine clocks), so every
 target starts cold on the same trace. Reports TTFT p50/p99, inter-token p99, completed,
 prefill tokens computed and served from cache (the sims' counters) against an oracle with one
-infinite cache, load imbalance (the busiest prefill's share over the mean), and each of the
-issue's targets as a measured figure. Bounded: each trace lasts its scenario's duration and
-every request has a timeout.
+infinite cache, load imbalance (the busiest prefill's share over the mean), and each target
+docs/benchmarks.md sets for routing as a measured figure. Bounded: each trace lasts its
+scenario's duration and every request has a timeout. A whole run replaces each scenario's block
+of docs/benchmarks.md (``fleet-light``, ``fleet-loaded``); a partial one writes only where
+``--report`` says.
 """
 
 from __future__ import annotations
@@ -41,7 +43,6 @@ import report
 from run import (
     BIN,
     GUNICORN_CONF,
-    ROOT,
     Fleet,
     configure,
     free_port,
@@ -95,8 +96,8 @@ class Scenario:
 
     @property
     def label(self) -> str:
-        """The report section's markers in docs/benchmarks.md."""
-        return "fleet" if self.name == "light" else f"fleet-{self.name}"
+        """The scenario's block in docs/benchmarks.md."""
+        return f"fleet-{self.name}"
 
 
 def scenarios(short: bool) -> list[Scenario]:
@@ -333,7 +334,8 @@ def _find(rows: list[dict[str, Any]], name: str) -> dict[str, Any] | None:
 
 
 def targets(scenario: Scenario, rows: list[dict[str, Any]]) -> list[str]:
-    """The issue's targets as measured in this run, one line each (figures, no prose)."""
+    """The routing targets of docs/benchmarks.md as measured in this run, one line each
+    (figures, no prose)."""
     out = []
     for combined in (False, True):
         tag = " (PD)" if combined else ""
@@ -398,14 +400,16 @@ def render(scenario: Scenario, meta: dict[str, Any], rows: list[dict[str, Any]])
                 f"{meta['figures']['prefill_tokens_per_s']:g} tokens/s per prefill the "
                 f"{INSTANCES} prefills are {scenario.utilisation:.0%} busy under round_robin.")
     lines = [
-        f"Scenario `{scenario.name}`. Run {meta['started']} - {meta['finished']} on "
-        f"{meta['machine']['nproc']} CPUs "
+        f"Scenario `{scenario.name}`. Run {meta['started']} to {meta['finished']} (UTC) on "
+        f"{meta['machine'].get('code', 'unknown code')}, {meta['machine']['nproc']} CPUs "
         f"({meta['machine']['cpu']}), load average before {_load(meta['machine']['load_before'])}, "
         f"after {_load(meta['load_after'])}. Trace: {meta['requests']} requests "
         f"({meta['sessions']} sessions, seed {meta['seed']}, {scenario.duration:g} s, "
         f"{scenario.rate:g} sessions/s), {meta['prompt_tokens']} prompt tokens, an oracle "
         f"with one infinite cache computes {meta['oracle']} of them.{load} vllm-router: "
         f"{meta['router_version'] or 'not run'}. Cost model: {meta['figures']}.",
+        "",
+        f"Command: `{meta['command']}`",
         "",
         "| target | completed | TTFT p50 ms | TTFT p99 ms | ITL p99 ms | prefill tokens "
         "computed | cached | computed / oracle | imbalance: requests | imbalance: computed |",
@@ -543,13 +547,14 @@ def run_scenario(scenario: Scenario, args: argparse.Namespace, workdir: Path,
             "load_after": os.getloadavg(), "requests": len(trace),
             "sessions": len({r["session"] for r in trace}), "seed": args.seed,
             "prompt_tokens": total, "oracle": oracle, "round_robin_computed": rr_computed,
-            "figures": figures,
+            "figures": figures, "command": args.command,
             "router_version": router_version(args.router) if args.router else None}
     return meta, rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser()
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The run's options; ``report`` is where its blocks go ('' for nowhere)."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--router", default="", help="vllm-router executable (bench venv)")
     p.add_argument("--short", action="store_true",
                    help="short traces for a quick check (~4 minutes); writes no report "
@@ -563,13 +568,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default="", help="comma-separated substrings of target names")
     p.add_argument("--timeout", type=float, default=60.0, help="per request, seconds")
     p.add_argument("--report", default=None,
-                   help="markdown file to write the tables into (default docs/benchmarks.md; "
-                        "'' for none)")
+                   help="markdown file whose scenario blocks the tables replace (default: "
+                        "docs/benchmarks.md for a whole run; none when --short, --only, "
+                        "--duration, --rate or --seed make it a partial one; '' for none)")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
+    partial = bool(args.short or args.only or args.duration or args.rate
+                   or args.seed != p.get_default("seed"))
     if args.report is None:
-        args.report = "" if args.short else str(ROOT / "docs" / "benchmarks.md")
+        args.report = "" if partial else str(report.PAGE)
+        if partial:
+            print("a partial run: docs/benchmarks.md is left as it is (--report FILE writes "
+                  "it somewhere)", file=sys.stderr)
+    args.command = report.recorded_command(".venv/bin/python tests/bench/fleet.py",
+                                           sys.argv[1:] if argv is None else list(argv))
+    return args
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     wanted = args.scenario.split(",")
     chosen_scenarios = [sc for sc in scenarios(args.short) if sc.name in wanted]
     chosen_scenarios = [Scenario(sc.name, args.duration or sc.duration, args.rate or sc.rate,

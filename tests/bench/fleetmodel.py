@@ -16,7 +16,10 @@ is the prefill's wait and work plus one decode step), and kv_aware (its picture 
 the sims' events). On seed 14 it comes within a few percent of what the bench measures (see
 docs/benchmarks.md).
 
-    python tests/bench/fleetmodel.py --seeds 30 --utilisation 0.8
+    python tests/bench/fleetmodel.py --seeds 30 --utilisation 0.8 [--report docs/benchmarks.md]
+
+``--report`` replaces the page's ``fleetmodel-loaded`` block (``fleetmodel-light`` with
+``--utilisation 0``).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import chattrace
 import fleet
+import report
 
 from epd_flask.control.roster import Instance
 from epd_flask.fleet import affinity, routing
@@ -101,7 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=4.0, help="new sessions per second")
     p.add_argument("--utilisation", type=float, default=fleet.UTILISATION,
                    help="round_robin's share of the prefill capacity; 0: FIGURES as they are")
+    p.add_argument("--report", default="",
+                   help="markdown file whose fleetmodel block the table replaces")
     args = p.parse_args(argv)
+    started, info = report.now(), report.machine()
     ratios: dict[str, list[tuple[float, float, float]]] = {pol: [] for pol in POLICIES}
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         trace = chattrace.generate(chattrace.TraceSpec(seed=seed, duration=args.duration,
@@ -119,17 +126,25 @@ def main(argv: list[str] | None = None) -> int:
                 base = (p50, p99)
             ratios[pol].append((p50 / base[0], p99 / base[1], out["computed"] / oracle))
     seeds = f"{args.seeds} traces (seeds {args.first_seed}-{args.first_seed + args.seeds - 1})"
-    print(f"{seeds} of {args.duration:g} s at {args.rate:g} sessions/s, round_robin at "
-          f"{args.utilisation:.0%} of the prefill capacity" if args.utilisation
-          else f"{seeds}, FIGURES as they are")
-    print("| policy | TTFT p50 / round_robin (mean) | TTFT p99 / round_robin (mean, max) "
-          "| traces with p99 > 1.10x | computed / oracle (mean) |")
-    print("|---|---|---|---|---|")
+    lines = [f"{seeds} of {args.duration:g} s at {args.rate:g} sessions/s, round_robin at "
+             f"{args.utilisation:.0%} of the prefill capacity:" if args.utilisation
+             else f"{seeds} of {args.duration:g} s at {args.rate:g} sessions/s, the cost "
+             "model's figures as they are:", "",
+             "| policy | TTFT p50 / round_robin (mean) | TTFT p99 / round_robin (mean, max) "
+             "| traces with p99 > 1.10x | computed / oracle (mean) |",
+             "|---|---|---|---|---|"]
     for pol, values in ratios.items():
         p50s, p99s, work = zip(*values, strict=True)
-        print(f"| {pol} | {statistics.mean(p50s):.2f} | {statistics.mean(p99s):.2f}, "
-              f"{max(p99s):.2f} | {sum(x > 1.10 for x in p99s)}/{len(p99s)} | "
-              f"{statistics.mean(work):.2f} |")
+        lines.append(f"| {pol} | {statistics.mean(p50s):.2f} | {statistics.mean(p99s):.2f}, "
+                     f"{max(p99s):.2f} | {sum(x > 1.10 for x in p99s)}/{len(p99s)} | "
+                     f"{statistics.mean(work):.2f} |")
+    print("\n".join(lines))
+    if args.report:
+        command = report.recorded_command(".venv/bin/python tests/bench/fleetmodel.py",
+                                          sys.argv[1:] if argv is None else list(argv))
+        label = "fleetmodel-loaded" if args.utilisation else "fleetmodel-light"
+        report.write_section(Path(args.report), label,
+                             "\n".join([report.stamp(started, info, command), *lines]))
     return 0
 
 

@@ -1,6 +1,7 @@
-"""CPU per request of the proxy's own per-request work, upstream calls left out (issue 15).
+"""CPU per request of the proxy's own per-request work, upstream calls left out.
 
     .venv/bin/python -m gevent.monkey tests/bench/hotpath.py [--multiprocess] [--repeats 7]
+        [--report docs/benchmarks.md]
 
 Drives the app's WSGI callable in this process with a prepared environ; the pipeline is
 replaced by a stand-in that does what a non-stream P/D request does around its two upstream
@@ -28,7 +29,11 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import report
 
 PREFILL, DECODE = "http://127.0.0.1:18001", "http://127.0.0.1:18002"
 BODY = (b'{"model":"m","messages":[{"role":"user","content":"Hello there, how are you?"}],'
@@ -72,7 +77,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--parts", default="app,flask,observer,logline")
+    parser.add_argument("--report", default="",
+                        help="markdown file whose `hotpath` block the figures replace")
     args = parser.parse_args()
+    started, info = report.now(), report.machine()
     if args.multiprocess:
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="epd-hotpath-")
 
@@ -167,11 +175,21 @@ def main() -> None:
     parts: dict[str, Callable[[], object]] = {
         "app": request(served), "flask": request(flask_only), "observer": observer,
         "logline": logline, "format": logline_ctx.log_line}
+    rows = []
     for name in args.parts.split(","):
         parts[name]()
         us = cpu_per_call(parts[name], args.calls, args.repeats)
+        rows.append(f"| {name} | {us:.1f} |")
         print(f"{name:10s} {us:8.1f} us CPU per call (min of {args.repeats} x {args.calls}"
               f"{', multiprocess' if args.multiprocess else ''})")
+    if args.report:
+        command = report.recorded_command(
+            ".venv/bin/python -m gevent.monkey tests/bench/hotpath.py", sys.argv[1:])
+        report.write_section(Path(args.report), "hotpath", "\n".join([
+            report.stamp(started, info, command),
+            f"CPU per call, the minimum of {args.repeats} x {args.calls} calls"
+            f"{' (metrics in multiprocess mode, as under gunicorn)' if args.multiprocess else ''}:",
+            "", "| part | us |", "|---|---:|", *rows]))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ Each figure is the slope between a long and a short stream (so the per-stream se
 machine's descheduling does not count. The upstream read is not included (upstream/'s own).
 
     .venv/bin/python -m gevent.monkey --module tests.bench.relaycost [--repeats 7]
+        [--report docs/benchmarks.md]
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import gevent.socket
@@ -30,6 +32,9 @@ from epd_flask.sim import stream as simstream
 from epd_flask.sim.roles import Answer
 from epd_flask.upstream.transport import Transport
 from epd_flask.web import worker
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import report
 
 LONG, SHORT = 200, 8
 
@@ -262,27 +267,45 @@ def main() -> None:
                         help="streams per repeat through a real upstream socket (0: skip)")
     parser.add_argument("--gap", type=float, default=0.0005,
                         help="seconds between two events from the decode peer")
+    parser.add_argument("--report", default="",
+                        help="markdown file whose `relaycost` block the figures replace")
     args = parser.parse_args()
+    started, info = report.now(), report.machine()
     logging.disable(logging.CRITICAL)
     streams, repeats = args.streams, args.repeats
+    rows: list[tuple[str, float]] = []
+
+    def show(what: str, us: float) -> None:
+        rows.append((what, us))
+        print(f"  {what:45s} {us:6.2f}")
+
     print(f"us of CPU per relayed event (slope {LONG} vs {SHORT} tokens, "
           f"{streams} streams, min of {repeats})")
-    print(f"  relay generator alone {_per_event(relay_only, repeats, streams):6.2f}")
+    show("relay generator alone", _per_event(relay_only, repeats, streams))
     for ours in (False, True):
         sink = _Sink(ours)
         name = "lean worker socket" if ours else "stock gevent socket"
-        print(f"  gunicorn write, {name:20s} {_per_event(write_only(sink), repeats, streams):6.2f}")
-        print(f"  whole path,     {name:20s} {_per_event(full(sink), repeats, streams):6.2f}")
+        show(f"gunicorn write, {name}", _per_event(write_only(sink), repeats, streams))
+        show(f"whole path, {name}", _per_event(full(sink), repeats, streams))
     if args.e2e_streams:
         n = args.e2e_streams
         try:
             for ours in (False, True):
                 name = "lean worker socket" if ours else "stock gevent socket"
-                e = _per_event(upstream_to_client(ours, args.gap), repeats, n)
-                print(f"  with the upstream read, {name:20s} {e:6.2f}")
+                show(f"with the upstream read, {name}",
+                     _per_event(upstream_to_client(ours, args.gap), repeats, n))
         finally:
             for peer in _PEERS:
                 peer.kill()
+    if args.report:
+        command = report.recorded_command(
+            ".venv/bin/python -m gevent.monkey --module tests.bench.relaycost", sys.argv[1:])
+        report.write_section(Path(args.report), "relaycost", "\n".join([
+            report.stamp(started, info, command),
+            f"CPU per relayed event, the slope between {LONG}- and {SHORT}-token streams, the "
+            f"minimum of {repeats} repeats ({streams} streams each; through a real upstream "
+            f"socket: {args.e2e_streams}, one event every {args.gap * 1000:g} ms):", "",
+            "| path | us |", "|---|---:|", *(f"| {what} | {us:.2f} |" for what, us in rows)]))
 
 
 if __name__ == "__main__":

@@ -1,14 +1,31 @@
-"""Turning benchmark runs into markdown: medians over repeats, ratios against the same run.
+"""Turning benchmark runs into markdown, and writing each run into its own section of
+docs/benchmarks.md: medians over repeats, ratios against the same run.
 
-Nothing here measures; it only summarises what ``run.py`` collected.
+Nothing here measures; it only summarises what the benchmarks collected. Every benchmark that
+writes the page (``run.py``, ``fleet.py``, ``fleetmodel.py`` and the micro-benchmarks) goes
+through ``write_section``: a run replaces the block between its own markers and nothing else,
+so the page always holds one latest block per benchmark, each saying when it ran, on which
+commit, under what load and with what command.
 """
 
 from __future__ import annotations
 
+import datetime
+import os
+import platform
 import re
+import shlex
 import statistics
+import subprocess
 from pathlib import Path
 from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGE = ROOT / "docs" / "benchmarks.md"
+#: Options that only say where a run's output goes: a recorded command leaves them out.
+OUTPUT_OPTIONS = ("--report", "--json")
+#: What a benchmark measures; uncommitted changes here make a run's figures not a commit's.
+MEASURED = ("epd_flask", "tests/bench", "etc", "setup.cfg", "gunicorn.conf.py", "wsgi.py")
 
 STREAMING = {"b", "c", "d-streams"}
 SLOW_MS = 50  # run.SLOW_ENCODER_MS
@@ -99,7 +116,8 @@ def summaries(results: list[dict[str, Any]]) -> dict[tuple[str, str, str], dict[
 def render(meta: dict[str, Any], results: list[dict[str, Any]]) -> str:
     m = meta["machine"]
     lines = [
-        f"Run {meta['started']} to {meta['finished']} (UTC). Machine: {m['nproc']} CPUs "
+        f"Run {meta['started']} to {meta['finished']} (UTC) on {m.get('code', 'unknown code')}. "
+        f"Machine: {m['nproc']} CPUs "
         f"({m['cpu']}), {m['mem_gb']} GB RAM, Python {m['python']}, Linux {m['kernel']}; "
         f"load average {m['load_before'][0]:.2f} before, {meta['load_after'][0]:.2f} after "
         "(the machine is shared: read ratios, not absolute times). "
@@ -151,7 +169,8 @@ def _ratio(ours: dict[str, Any], peer: dict[str, Any] | None) -> float | None:
 
 
 def targets_section(table: dict[tuple[str, str, str], dict[str, Any]]) -> list[str]:
-    """The issue's targets, each with the figure this run measured."""
+    """The targets of docs/benchmarks.md#targets-of-make-bench, each with the figure this run
+    measured."""
 
     def get(workload: str, target: str, group: str | None = None) -> dict[str, Any] | None:
         return table.get((workload, group or workload, target))
@@ -242,13 +261,97 @@ def targets_section(table: dict[tuple[str, str, str], dict[str, Any]]) -> list[s
     return out
 
 
+class MissingSection(ValueError):
+    """The page has no place for this benchmark's block: a run never appends one of its own,
+    which would turn the page into a diary of runs."""
+
+
+def markers(label: str) -> tuple[str, str]:
+    return f"<!-- bench:{label}:start -->", f"<!-- bench:{label}:end -->"
+
+
 def write_section(path: Path, label: str, text: str) -> None:
-    """Replace (or append) the section between this label's markers, keeping the rest."""
-    start, end = f"<!-- bench:{label}:start -->", f"<!-- bench:{label}:end -->"
-    block = f"{start}\n{text}{end}\n"
-    old = path.read_text() if path.exists() else "# Benchmarks\n"
-    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end) + r"\n?", re.S)
-    new = pattern.sub(lambda _: block, old) if pattern.search(old) else (
-        old.rstrip("\n") + "\n\n" + block)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(new)
+    """Replace the block between this label's markers with ``text``, keeping the rest of the
+    page as it is. A page without the markers is refused (``MissingSection``); a file that does
+    not exist yet (a scratch report) is created holding the block alone."""
+    start, end = markers(label)
+    block = f"{start}\n{text.rstrip(chr(10))}\n{end}"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"# Benchmarks\n\n{block}\n")
+        return
+    old = path.read_text()
+    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
+    found = pattern.findall(old)
+    if len(found) != 1:
+        raise MissingSection(f"{path} must hold exactly one {start} ... {end} block for this "
+                             f"benchmark (found {len(found)}); add it where the figures belong")
+    path.write_text(pattern.sub(lambda _: block, old))
+
+
+def recorded_command(program: str, args: list[str]) -> str:
+    """The command a reader runs to measure again: ``program`` and its arguments, without
+    the options that only say where the output goes, paths in the checkout relative to it
+    and the home directory as ``~`` (the page names no machine's paths)."""
+    kept: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in OUTPUT_OPTIONS:
+            skip = "=" not in arg
+            continue
+        kept.append(_portable(arg))
+    return " ".join([program, *(a if re.fullmatch(r"[\w@%+=:,./~-]+", a) else shlex.quote(a)
+                                for a in kept)])
+
+
+def _portable(arg: str) -> str:
+    for base, shown in ((str(ROOT) + "/", ""), (str(Path.home()) + "/", "~/")):
+        arg = arg.replace(base, shown)
+    return arg
+
+
+def code_version(root: Path = ROOT) -> str:
+    """The commit a run measured, and whether the measured files differed from it."""
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=7", "HEAD"],
+                                capture_output=True, text=True, timeout=30, check=True
+                                ).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain",
+                                "--untracked-files=no", "--", *MEASURED],
+                               capture_output=True, text=True, timeout=30, check=True
+                               ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown code (not a git checkout)"
+    return f"commit {commit}" + (" with uncommitted changes" if dirty else "")
+
+
+def machine() -> dict[str, Any]:
+    """The machine and code a run measured, read when it starts."""
+    model = "unknown"
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    with open("/proc/meminfo") as f:
+        mem_kb = int(f.readline().split()[1])
+    return {"nproc": os.cpu_count(), "cpu": model, "mem_gb": round(mem_kb / 1024 / 1024, 1),
+            "python": platform.python_version(), "kernel": platform.release(),
+            "load_before": os.getloadavg(), "code": code_version()}
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def stamp(started: str, info: dict[str, Any], command: str) -> str:
+    """The first lines of a block: when, on which code and machine, under what load, how."""
+    load = ", ".join(f"{v:.1f}" for v in info["load_before"])
+    after = ", ".join(f"{v:.1f}" for v in os.getloadavg())
+    return (f"Run {started} to {now()} (UTC) on {info['code']}. Machine: {info['nproc']} CPUs "
+            f"({info['cpu']}), Python {info['python']}; load average {load} before, {after} "
+            f"after.\n\nCommand: `{command}`\n")

@@ -5,9 +5,9 @@ gunicorn with one gevent worker as shipped (log level info, metrics on, no acces
 vllm-router in P/D mode and vLLM's EPD proxy (its example script, run from a copy outside the
 source tree), all on loopback as separate processes; runs each workload through the load
 generator (another process) against each target in turn, and measures the target's process
-tree through /proc. Bounded: every workload has a request count and a deadline. Writes the
-report into docs/benchmarks.md between markers, leaving the hand-written analysis around them
-alone.
+tree through /proc. Bounded: every workload has a request count and a deadline. A whole run
+replaces the ``bench`` block of docs/benchmarks.md (``report.write_section``), leaving the
+hand-written explanation around it alone; a partial run writes only where ``--report`` says.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import base64
 import datetime
 import json
 import os
-import platform
 import random
 import resource
 import shutil
@@ -48,6 +47,8 @@ ENCODERS = 4
 SLOW_ENCODER_MS = 50
 FD_LIMIT = 8192
 EPD_PROXY = "vllm-epd-proxy"
+#: This benchmark's block in docs/benchmarks.md.
+LABEL = "bench"
 
 
 def free_port() -> int:
@@ -288,18 +289,7 @@ def measure(target: Target, sims: list[int], workload: Workload,
     }
 
 
-def machine() -> dict[str, Any]:
-    model = "unknown"
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    with open("/proc/meminfo") as f:
-        mem_kb = int(f.readline().split()[1])
-    return {"nproc": os.cpu_count(), "cpu": model, "mem_gb": round(mem_kb / 1024 / 1024, 1),
-            "python": platform.python_version(), "kernel": platform.release(),
-            "load_before": os.getloadavg()}
+machine = report.machine
 
 
 def router_version(router: str) -> str:
@@ -326,7 +316,8 @@ def peer_version(python: str) -> str:
         return "unknown"
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The run's options; ``report`` is where its block goes ('' for nowhere)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--router", default="", help="vllm-router executable (bench venv)")
     p.add_argument("--epd-proxy", default="",
@@ -338,14 +329,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer requests, for a smoke run")
     p.add_argument("--repeats", type=int, default=0, help="override every workload's repeats")
     p.add_argument("--json", default="", help="also write the raw results here")
-    p.add_argument("--report", default=str(ROOT / "docs" / "benchmarks.md"),
-                   help="markdown file to write the report into ('' to skip)")
-    p.add_argument("--label", default="latest", help="name of the report section")
+    p.add_argument("--report", default=None,
+                   help="markdown file whose `bench` block the report replaces (default: "
+                   "docs/benchmarks.md for a whole run; none when --only, --quick, --repeats, "
+                   "--targets or --profile make it a partial one; '' for none)")
     p.add_argument("--profile", default="",
                    help="directory: record py-spy stacks of the epd-flask worker per workload "
                    "(CPU figures of profiled runs are inflated; don't report them)")
     args = p.parse_args(argv)
+    partial = bool(args.only or args.quick or args.repeats or args.profile
+                   or args.targets != p.get_default("targets"))
+    if args.report is None:
+        args.report = "" if partial else str(report.PAGE)
+        if partial:
+            print("a partial run: docs/benchmarks.md is left as it is (--report FILE writes "
+                  "it somewhere)", file=sys.stderr)
+    return args
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(FD_LIMIT, hard)), hard))
     targets_wanted = args.targets.split(",")
@@ -449,15 +452,15 @@ def main(argv: list[str] | None = None) -> int:
                 "router_version": router_version(args.router) if args.router else None,
                 "epd_proxy": (peer_version(args.epd_proxy_python)
                               if EPD_PROXY in targets_wanted else None),
-                "command": " ".join([Path(sys.executable).name, *sys.argv]).replace(
-                    str(Path.home()), "~"),
-                "label": args.label}
+                "command": report.recorded_command(
+                    ".venv/bin/python tests/bench/run.py",
+                    sys.argv[1:] if argv is None else list(argv))}
         if args.json:
             Path(args.json).write_text(json.dumps({"meta": meta, "results": results}))
         text = report.render(meta, results)
         print(text)
         if args.report:
-            report.write_section(Path(args.report), args.label, text)
+            report.write_section(Path(args.report), LABEL, text)
     except BaseException:
         fleet.stop()
         print(f"benchmark failed; process logs kept in {workdir}", file=sys.stderr)

@@ -1,6 +1,6 @@
 """CPU time of one upstream call through the transport, on a kept-alive loopback connection.
 
-    python tests/bench/upstream_call.py [--calls 2000] [--repeats 7]
+    python tests/bench/upstream_call.py [--calls 2000] [--repeats 7] [--report docs/benchmarks.md]
 
 The answering server runs in a child process (a plain Python without gevent, a canned answer shaped
 like vLLM's non-stream completion), so ``time.thread_time`` in this process counts only the
@@ -25,6 +25,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import report
 
 ANSWER_BODY = json.dumps({
     "id": "cmpl-0123456789abcdef", "object": "text_completion", "created": 1764600000,
@@ -129,7 +133,10 @@ def main() -> None:
     parser.add_argument("--compare-wait", action="store_true",
                         help="a streamed event's read: http1's wait against gevent's recv")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--report", default="",
+                        help="markdown file whose `upstream-call` block the figures replace")
     args = parser.parse_args()
+    started = report.now()
 
     if args.serve:
         listener = socket.socket()
@@ -138,6 +145,7 @@ def main() -> None:
         print(listener.getsockname()[1], flush=True)
         serve(listener)
         return
+    info = report.machine()
     child = subprocess.Popen([sys.executable, __file__, "--serve"], stdout=subprocess.PIPE)
     assert child.stdout is not None
     port = int(child.stdout.readline())
@@ -185,15 +193,29 @@ def main() -> None:
         while got < len(ANSWER):
             got += len(raw.recv(65536))
 
-    print(f"Transport.send + read_body: {per_call(through_transport, args.calls, args.repeats):.1f}"
-          " us CPU per call")
-    print(f"raw socket, same bytes:     {per_call(raw_socket, args.calls, args.repeats):.1f}"
-          " us CPU per call")
+    call = per_call(through_transport, args.calls, args.repeats)
+    floor = per_call(raw_socket, args.calls, args.repeats)
+    print(f"Transport.send + read_body: {call:.1f} us CPU per call")
+    print(f"raw socket, same bytes:     {floor:.1f} us CPU per call")
     short = per_call(streamed(SHORT), max(args.calls // 100, 3), args.repeats)
     long = per_call(streamed(LONG), max(args.calls // 100, 3), args.repeats)
-    print(f"one streamed event read:    {(long - short) / (LONG - SHORT):.1f} us CPU per event "
-          f"(slope between {SHORT}- and {LONG}-event streams; {reads[0] / max(reads[1], 1):.2f}"
-          " reads per event)")
+    event = (long - short) / (LONG - SHORT)
+    per_read = reads[0] / max(reads[1], 1)
+    print(f"one streamed event read:    {event:.1f} us CPU per event "
+          f"(slope between {SHORT}- and {LONG}-event streams; {per_read:.2f} reads per event)")
+    if args.report:
+        command = report.recorded_command(".venv/bin/python tests/bench/upstream_call.py",
+                                          sys.argv[1:])
+        report.write_section(Path(args.report), "upstream-call", "\n".join([
+            report.stamp(started, info, command),
+            f"CPU of this process, the minimum over {args.repeats} repeats of the mean per "
+            f"call ({args.calls} calls per repeat):", "",
+            "| what | us |", "|---|---:|",
+            f"| one call, `Transport.send` + `read_body` (a {len(ANSWER)}-byte answer) "
+            f"| {call:.1f} |",
+            f"| the same bytes written and read on a raw socket | {floor:.1f} |",
+            f"| one streamed event read through `iter_raw` (slope between {SHORT}- and "
+            f"{LONG}-event streams; {per_read:.2f} reads per event) | {event:.1f} |"]))
     raw.close()
     transport.close()
     child.kill()

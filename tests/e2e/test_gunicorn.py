@@ -150,7 +150,7 @@ def test_plain_gunicorn_command_runs_hooks_and_probes(procs) -> None:
 def test_each_worker_freezes_what_it_loaded_at_start(procs) -> None:
     """The app, its services and their greenlets live as long as the worker: post_worker_init
     moves them out of the collector's generations, so a full collection under 500 streams no
-    longer walks them (docs/benchmarks.md, issue 15)."""
+    longer walks them (docs/benchmarks.md#what-bounds-the-make-bench-figures)."""
     p = procs["sim"]("prefill")
     d = procs["sim"]("decode")
     gw = procs["gunicorn"](roster(p, d), "-k", "gevent", env={"EPD_DEBUG_ENDPOINTS": "1"})

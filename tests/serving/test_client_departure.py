@@ -22,7 +22,7 @@ CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "tell me
         "max_tokens": 8, "temperature": 0}
 #: When the client leaves, well inside the slow leg.
 LEAVE_AFTER = 0.5
-#: The most a departure may take to reach the instance (the issue's bound).
+#: The most a departure may take to reach the instance (docs/behaviour.md#edge).
 CLOSE_WITHIN = 1.0
 
 

@@ -340,8 +340,9 @@ def test_health_and_readiness(sim, proxy) -> None:
 
 
 def test_healthcheck_is_readiness_and_never_reaches_decode(sim, proxy) -> None:
-    """``/healthcheck`` (the Rust seed proxy's probe path) answers like ``/ready``: a probe
-    moved from that proxy sees readiness, not decode's answer to an unknown route."""
+    """``/healthcheck`` (a probe path other proxies in front of vLLM answer) answers like
+    ``/ready``: a probe moved from one sees readiness, not decode's answer to an unknown
+    route."""
     p, d = sim("prefill"), sim("decode")
     px = proxy(pd_roster([p], [d]))
     before = requests.get(px.url + "/healthcheck", timeout=5)

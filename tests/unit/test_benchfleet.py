@@ -77,7 +77,7 @@ def test_the_light_scenario_has_no_capacity_line() -> None:
     lines = "\n".join(fleet.targets(light, rows))
     assert "0.70x" in lines and "not met" in lines
     assert "of capacity" not in lines
-    assert light.label == "fleet" and fleet.Scenario("loaded", 1.0, 1.0, 0.8).label == \
+    assert light.label == "fleet-light" and fleet.Scenario("loaded", 1.0, 1.0, 0.8).label == \
         "fleet-loaded"
 
 
