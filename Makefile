@@ -95,12 +95,13 @@ bench-fleet: $(STAMP) $(BENCH_VENV)/.installed
 	$(BIN)/python tests/bench/fleet.py --router $(BENCH_VENV)/bin/vllm-router $(BENCH_ARGS)
 
 ## bench-micro: the hot path's pieces in one process each (the proxy's own work per request,
-## one upstream call, one relayed event) and the fleet model's many traces; replaces their
-## blocks of docs/benchmarks.md (~3 minutes, nothing to install)
+## one upstream call, one relayed event), kv_aware's memory per block and the fleet model's
+## many traces; replaces their blocks of docs/benchmarks.md (~4 minutes, nothing to install)
 bench-micro: $(STAMP)
 	$(BIN)/python -m gevent.monkey tests/bench/hotpath.py --multiprocess --report docs/benchmarks.md
 	$(BIN)/python tests/bench/upstream_call.py --report docs/benchmarks.md
 	$(BIN)/python -m gevent.monkey --module tests.bench.relaycost --report docs/benchmarks.md
+	$(BIN)/python -m tests.bench.kvpicture --report docs/benchmarks.md
 	$(BIN)/python tests/bench/fleetmodel.py --seeds 30 --report docs/benchmarks.md
 	$(BIN)/python tests/bench/fleetmodel.py --seeds 30 --utilisation 0 --duration 15 --rate 3 \
 	    --report docs/benchmarks.md

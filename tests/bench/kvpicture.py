@@ -3,7 +3,7 @@
 chains of stores as vLLM publishes them (16-token blocks, token ids below 150,000), with vLLM
 0.32's 64-bit integer block hashes and with the 32-byte hashes of earlier releases.
 
-    .venv/bin/python -m tests.bench.kvpicture [--blocks 131072]
+    .venv/bin/python -m tests.bench.kvpicture [--blocks 131072] [--report docs/benchmarks.md]
 """
 
 from __future__ import annotations
@@ -11,9 +11,14 @@ from __future__ import annotations
 import argparse
 import gc
 import random
+import sys
 import tracemalloc
+from pathlib import Path
 
 from epd_flask.fleet.kvcache import CachePicture, Stored
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import report
 
 BLOCK_SIZE = 16
 CHAIN_BLOCKS = 16
@@ -50,11 +55,23 @@ def bytes_per_block(blocks: int, int_hashes: bool) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--blocks", type=int, default=131072)
+    parser.add_argument("--report", default="",
+                        help="markdown file whose `kvpicture` block the figures replace")
     args = parser.parse_args()
+    started, info = report.now(), report.machine()
+    rows = []
     for int_hashes in (True, False):
         kind = "64-bit integer hashes" if int_hashes else "32-byte hashes"
-        print(f"{kind}: {bytes_per_block(args.blocks, int_hashes):.0f} bytes per block "
-              f"({args.blocks} blocks)")
+        size = bytes_per_block(args.blocks, int_hashes)
+        rows.append(f"| {kind} | {size:.0f} | {size * args.blocks / 2**20:.0f} |")
+        print(f"{kind}: {size:.0f} bytes per block ({args.blocks} blocks)")
+    if args.report:
+        command = report.recorded_command(".venv/bin/python -m tests.bench.kvpicture",
+                                          sys.argv[1:])
+        report.write_section(Path(args.report), "kvpicture", "\n".join([
+            report.stamp(started, info, command),
+            f"A picture held at its bound of {args.blocks} blocks (tracemalloc):", "",
+            "| block hashes | bytes per block | MB when full |", "|---|---:|---:|", *rows]))
 
 
 if __name__ == "__main__":

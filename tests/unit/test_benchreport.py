@@ -23,7 +23,7 @@ import run
 BLOCKS = {"bench": "run.py", "fleet-light": "fleet.py", "fleet-loaded": "fleet.py",
           "fleetmodel-loaded": "fleetmodel.py", "fleetmodel-light": "fleetmodel.py",
           "hotpath": "hotpath.py", "upstream-call": "upstream_call.py",
-          "relaycost": "relaycost.py"}
+          "relaycost": "relaycost.py", "kvpicture": "kvpicture.py"}
 BLOCK = re.compile(r"<!-- bench:([\w-]+):start -->\n.*?<!-- bench:\1:end -->", re.S)
 
 
