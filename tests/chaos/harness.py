@@ -15,7 +15,6 @@ its client:
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import re
@@ -34,6 +33,7 @@ import yaml
 from gevent.event import Event
 
 from epd_flask.core.errors import instance_label
+from tests.bodies import chat, completion, image, multimodal
 from tests.e2e.conftest import Process
 from tests.helpers import free_port
 
@@ -160,25 +160,17 @@ def retry_counters(gateway: Process) -> dict[str, int]:
 
 # -- the load -------------------------------------------------------------------------------
 
-def _image() -> dict[str, Any]:
-    data = base64.b64encode(os.urandom(900)).decode()
-    return {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}}
-
-
 KINDS = ("chat_stream", "chat", "mm_stream", "completion_stream", "mm", "completion")
 
 
 def request_for(kind: str, n: int) -> tuple[str, dict[str, Any]]:
     max_tokens = 10 + n % 30
+    fields = {"temperature": 0, "max_tokens": max_tokens, "stream": kind.endswith("stream")}
     if kind.startswith("completion"):
-        return "/v1/completions", {"model": "tiny-llama", "prompt": TEXT, "temperature": 0,
-                                   "max_tokens": max_tokens, "stream": kind.endswith("stream")}
-    content: Any = TEXT
+        return "/v1/completions", completion(TEXT, **fields)
     if kind.startswith("mm"):
-        content = [{"type": "text", "text": "what is this?"}, _image()]
-    return "/v1/chat/completions", {
-        "model": "tiny-llama", "messages": [{"role": "user", "content": content}],
-        "temperature": 0, "max_tokens": max_tokens, "stream": kind.endswith("stream")}
+        return "/v1/chat/completions", multimodal(image(size=900), **fields)
+    return "/v1/chat/completions", chat(TEXT, **fields)
 
 
 def _is_error_doc(doc: Any) -> bool:

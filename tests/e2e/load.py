@@ -10,10 +10,11 @@ from types import TracebackType
 import gevent
 import requests
 
+from tests.bodies import chat_stream
+
 MAX_REQUESTS_PER_CLIENT = 2000
 MAX_SECONDS = 60.0
-CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "tell me a story"}],
-        "temperature": 0, "stream": True}
+CHAT = chat_stream(temperature=0)
 
 
 def stream_chat(session: requests.Session, url: str, max_tokens: int) -> str:

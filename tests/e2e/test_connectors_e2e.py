@@ -11,13 +11,13 @@ import gevent
 import pytest
 import requests
 
+from tests.bodies import chat
 from tests.e2e.conftest import Process
 from tests.helpers import RawStream, free_port
 
 pytestmark = pytest.mark.e2e
 
-CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "tell me a story"}],
-        "max_tokens": 6, "temperature": 0}
+CHAT = chat(max_tokens=6, temperature=0)
 READY_TIMEOUT = 10.0
 # An idle keep-alive connection from this test process would hold gunicorn's graceful stop
 # for its whole timeout (the test fixture kills it after 10 s); real clients come and go.

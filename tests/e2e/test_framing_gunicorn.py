@@ -11,9 +11,11 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from tests.bodies import completion
+
 pytestmark = pytest.mark.e2e
 
-BODY = json.dumps({"model": "tiny-llama", "prompt": "hello world", "max_tokens": 4}).encode()
+BODY = json.dumps(completion(max_tokens=4)).encode()
 
 
 def roster(prefill, decode) -> dict:

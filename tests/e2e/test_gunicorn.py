@@ -17,14 +17,14 @@ import pytest
 import requests
 import yaml
 
+from tests.bodies import chat
 from tests.helpers import RawStream, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.e2e
 
-CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "tell me a story"}],
-        "temperature": 0}
+CHAT = chat(temperature=0)
 
 
 def roster(prefill, decode, **settings) -> dict:

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import requests
 
+from tests.bodies import chat, completion
 from tests.e2e.conftest import Launcher, Process
 from tests.e2e.edge import Nginx, nginx_binary
 from tests.e2e.load import Load, stream_chat
@@ -32,8 +33,7 @@ pytestmark = [
                        "installs it), so the tests through nginx cannot run"),
 ]
 
-CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "tell me a story"}],
-        "temperature": 0}
+CHAT = chat(temperature=0)
 PRIVATE_PATHS = [
     ("GET", "/instances"), ("POST", "/instances"), ("DELETE", "/instances?url=http://x"),
     ("GET", "/metrics"), ("GET", "/status"), ("POST", "/start_profile"),
@@ -212,10 +212,10 @@ def test_request_id_is_passed_or_generated(front: Nginx, sims: tuple[Process, Pr
     decode = sims[1]
     mine = requests.post(front.url + "/v1/completions", timeout=30,
                          headers={"X-Request-Id": "client-id-42"},
-                         json={"model": "tiny-llama", "prompt": "hi", "max_tokens": 2})
+                         json=completion("hi", max_tokens=2))
     assert mine.status_code == 200 and mine.headers["X-Request-Id"] == "client-id-42"
     theirs = requests.post(front.url + "/v1/completions", timeout=30,
-                           json={"model": "tiny-llama", "prompt": "hi", "max_tokens": 2})
+                           json=completion("hi", max_tokens=2))
     generated = theirs.headers["X-Request-Id"]
     # nginx's $request_id (32 hex digits), which epd-flask kept for the client and its logs;
     # decode got epd-flask's own id for each request instead.

@@ -12,13 +12,13 @@ import gevent.pool
 import pytest
 import requests
 
+from tests.bodies import chat, completion
 from tests.helpers import eventually, sample, scrape, total
 
 pytestmark = pytest.mark.e2e
 
-CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "tell me a story"}],
-        "max_tokens": 10, "temperature": 0}
-COMPLETION = {"model": "tiny-llama", "prompt": "hello world", "max_tokens": 6}
+CHAT = chat(max_tokens=10, temperature=0)
+COMPLETION = completion(max_tokens=6)
 
 
 def roster(prefill, decode, **settings) -> dict:

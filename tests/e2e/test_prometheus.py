@@ -13,6 +13,7 @@ import pytest
 import requests
 
 from tests import prometheus as prom
+from tests.bodies import chat, completion
 from tests.helpers import pd_roster
 
 pytestmark = [
@@ -25,8 +26,7 @@ pytestmark = [
 
 JOB = "epd-flask"
 DATA_TIMEOUT = 20.0
-CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "tell me a story"}],
-        "max_tokens": 8, "temperature": 0}
+CHAT = chat(max_tokens=8, temperature=0)
 
 
 def send(base: str, job: tuple[str, dict]) -> int:
@@ -60,7 +60,7 @@ def test_every_recording_rule_and_dashboard_query_has_data(procs, tmp_path: Path
 
         d1.control("faults", fail_next=2)  # two decode failures, retried on the other decode
         jobs = [("/v1/chat/completions", {**CHAT, "stream": True})] * 24
-        jobs += [("/v1/completions", {"model": "tiny-llama", "prompt": "hi", "max_tokens": 4})] * 8
+        jobs += [("/v1/completions", completion("hi", max_tokens=4))] * 8
         statuses = gevent.pool.Pool(3).map(lambda job: send(gw.url, job), jobs)
         assert statuses == [200] * len(jobs)
         burst = gevent.pool.Pool(12).map(lambda job: send(gw.url, job), jobs[:12])

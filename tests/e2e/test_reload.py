@@ -19,12 +19,12 @@ import requests
 import yaml
 
 from epd_flask.core.errors import instance_label
+from tests.bodies import chat_stream
 from tests.helpers import sample, scrape
 
 pytestmark = pytest.mark.e2e
 
-CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "tell me a story"}],
-        "temperature": 0, "stream": True}
+CHAT = chat_stream(temperature=0)
 DECODE_ARGS = ("--token-delay-ms", "10", "--output-tokens", "400", "--record-limit", "5000")
 SHORT_TOKENS = 20  # ~0.2 s per stream
 LONG_TOKENS = 150  # ~1.5 s: straddles a reload

@@ -15,14 +15,14 @@ import pytest
 import requests
 import yaml
 
+from tests.bodies import chat
 from tests.e2e.conftest import ROOT
 from tests.helpers import free_port
 
 pytestmark = pytest.mark.e2e
 
 SECRET = "hunter2-SECRET-do-not-print"
-CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}],
-        "max_tokens": 2}
+CHAT = chat("hi", max_tokens=2)
 
 
 def whole_log(gw) -> str:

@@ -11,12 +11,12 @@ import time
 import pytest
 import requests
 
+from tests.bodies import chat_stream
 from tests.helpers import RawStream
 
 pytestmark = pytest.mark.e2e
 
-CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "tell me a story"}],
-        "temperature": 0, "stream": True}
+CHAT = chat_stream(temperature=0)
 GRACEFUL_TIMEOUT = 4
 IDLE_GRACE = 0.2  # short, so the idle connection is closed well before the short stream ends
 

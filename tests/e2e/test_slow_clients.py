@@ -15,9 +15,11 @@ import gevent
 import pytest
 import requests
 
+from tests.bodies import completion
+
 pytestmark = pytest.mark.e2e
 
-COMPLETION = {"model": "tiny-llama", "prompt": "hello", "max_tokens": 2}
+COMPLETION = completion("hello", max_tokens=2)
 CONNECTIONS = 30  # worker_connections: the slow clients below fill every one of them
 IN_FLIGHT = 4
 SLOW_HEADS = CONNECTIONS - IN_FLIGHT

@@ -14,6 +14,7 @@ import gevent
 import pytest
 import requests
 
+from tests.bodies import completion, completion_stream
 from tests.helpers import eventually
 
 pytestmark = pytest.mark.e2e
@@ -42,8 +43,7 @@ def stall(url: str, max_tokens: int = TOKENS) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RCVBUF)
     sock.settimeout(WAIT)
     sock.connect((parts.hostname, parts.port))
-    body = json.dumps({"model": "tiny-llama", "prompt": "hello", "stream": True,
-                       "max_tokens": max_tokens}).encode()
+    body = json.dumps(completion_stream("hello", max_tokens=max_tokens)).encode()
     sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {parts.netloc}\r\n"
                  f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
                  .encode() + body)
@@ -67,8 +67,8 @@ def read_rest(sock: socket.socket) -> tuple[bytes, bool]:
 
 
 def _completion(url: str) -> int:
-    return requests.post(url + "/v1/completions", timeout=WAIT, json={
-        "model": "tiny-llama", "prompt": "hi", "max_tokens": 2}).status_code
+    return requests.post(url + "/v1/completions", timeout=WAIT,
+                         json=completion("hi", max_tokens=2)).status_code
 
 
 def in_flight(url: str) -> int:

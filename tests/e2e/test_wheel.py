@@ -27,13 +27,13 @@ import yaml
 
 import epd_flask
 from epd_flask.control import settings
+from tests.bodies import chat_stream
 from tests.e2e.conftest import ROOT, START_TIMEOUT
 from tests.helpers import free_port
 
 pytestmark = pytest.mark.e2e
 
-CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hello"}],
-        "max_tokens": 8, "stream": True}
+CHAT = chat_stream("hello", max_tokens=8)
 #: What a source checkout holds that is no part of a build.
 NOT_SOURCE = (".venv", ".git", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",
               ".ruff_cache", ".hypothesis")

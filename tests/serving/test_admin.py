@@ -14,11 +14,12 @@ import yaml
 
 from epd_flask.control.roster import load
 from epd_flask.control.statedir import StateDir
+from tests.bodies import chat
 from tests.helpers import pd_roster, sample, scrape
 
 KEY = "s3cret-admin"
 AUTH = {"X-API-Key": KEY}
-CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+CHAT = chat("hi", max_tokens=4)
 
 
 @pytest.fixture

@@ -27,15 +27,15 @@ from epd_flask.app import create_app, services
 from epd_flask.control.config import ProxyConfig
 from epd_flask.control.roster import parse
 from epd_flask.sim import SimConfig, SimServer
+from tests.bodies import chat, completion
 from tests.helpers import NoDelayHandler
 
 EXAMPLES = 40
 MAX_BODY = 64 * 1024
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
-GOOD_CHAT: dict[str, Any] = {"model": "tiny-llama", "max_tokens": 3,
-                             "messages": [{"role": "user", "content": "hello"}]}
-GOOD_COMPLETION: dict[str, Any] = {"model": "tiny-llama", "max_tokens": 3, "prompt": "hello"}
+GOOD_CHAT: dict[str, Any] = chat("hello", max_tokens=3)
+GOOD_COMPLETION: dict[str, Any] = completion("hello", max_tokens=3)
 PROPERTY = settings(max_examples=EXAMPLES, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 

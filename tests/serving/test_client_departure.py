@@ -6,9 +6,7 @@ simulated instances record when they saw their request aborted (``last_abort_at`
 
 from __future__ import annotations
 
-import base64
 import logging
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -16,10 +14,10 @@ from typing import Any
 import gevent
 import pytest
 
+from tests.bodies import chat, image, multimodal
 from tests.helpers import RawStream, pd_roster, sample, scrape
 
-CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "tell me a story"}],
-        "max_tokens": 8, "temperature": 0}
+CHAT = chat(max_tokens=8, temperature=0)
 #: When the client leaves, well inside the slow leg.
 LEAVE_AFTER = 0.5
 #: The most a departure may take to reach the instance (docs/behaviour.md#edge).
@@ -104,10 +102,7 @@ def test_slow_encoder_is_aborted_and_prefill_and_decode_never_called(sim, proxy)
     e, p, d = sim("encode", ttft=3.0), sim("prefill"), sim("decode")
     px = proxy({"instances": [{"role": "encode", "url": e.url}, {"role": "prefill", "url": p.url},
                               {"role": "decode", "url": d.url}]})
-    data = base64.b64encode(os.urandom(900)).decode()
-    body = {**CHAT, "messages": [{"role": "user", "content": [
-        {"type": "text", "text": "what is this?"},
-        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}}]}]}
+    body = {**CHAT, **multimodal(image(size=900))}
     seconds = _leave_and_time(px, body, e)
     _report("encoder (3 s)", seconds)
     assert seconds < CLOSE_WITHIN

@@ -10,9 +10,9 @@ import requests
 from epd_flask.control.connectorspecs import CONNECTORS, ConnectorSpec, Need
 from epd_flask.control.roster import RosterError, parse
 from epd_flask.serving.connectors import Body, LegRequest, Route, SplitConnector, prime_body
+from tests.bodies import chat
 
-CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hello"}],
-        "max_tokens": 4, "temperature": 0}
+CHAT = chat("hello", max_tokens=4, temperature=0)
 NEEDS_MESSAGE = "the tagging connector needs kv_zmq_addr on every decode"
 
 

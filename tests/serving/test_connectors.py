@@ -11,10 +11,10 @@ import pytest
 import requests
 
 from epd_flask.sim import SimConfig, SimServer
+from tests.bodies import chat, completion, completion_stream
 from tests.helpers import RawStream, eventually, free_port
 
-CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "tell me a story"}],
-        "max_tokens": 8, "temperature": 0}
+CHAT = chat(max_tokens=8, temperature=0)
 # Long enough for several 16-token prefix-cache blocks in the simulated prefill.
 LONG_PROMPT = "the quick brown fox jumps over the lazy dog " * 12
 
@@ -260,9 +260,8 @@ def test_usage_reports_prefill_prefix_cache_hits(sim, proxy, connector, stream) 
     p, d = sim("prefill", prompt_tokens_details=True), sim("decode", prompt_tokens_details=True)
     px = proxy({"settings": {"connector": connector}, "instances": [
         {"role": "prefill", "url": p.url}, {"role": "decode", "url": d.url}]})
-    body = {"model": "tiny-llama", "prompt": LONG_PROMPT, "max_tokens": 4, "stream": stream,
-            "stream_options": {"include_usage": True}} if stream else \
-        {"model": "tiny-llama", "prompt": LONG_PROMPT, "max_tokens": 4}
+    body = completion_stream(LONG_PROMPT, max_tokens=4, stream_options={"include_usage": True}) \
+        if stream else completion(LONG_PROMPT, max_tokens=4)
 
     def usage_of(r: requests.Response) -> dict:
         assert r.status_code == 200, r.text
@@ -291,7 +290,7 @@ def test_stream_is_read_as_vllm_reads_it(sim, proxy, spelling) -> None:
     p, d = sim("prefill", prompt_tokens_details=True), sim("decode", prompt_tokens_details=True)
     px = proxy({"settings": {"connector": "none"}, "instances": [
         {"role": "prefill", "url": p.url}, {"role": "decode", "url": d.url}]})
-    body = {"model": "tiny-llama", "prompt": LONG_PROMPT, "max_tokens": 4, "stream": spelling}
+    body = completion(LONG_PROMPT, max_tokens=4, stream=spelling)
     for _ in range(2):
         r = requests.post(px.url + "/v1/completions", json=body, timeout=10)
         assert r.status_code == 200 and r.headers["Content-Type"] == "application/json"

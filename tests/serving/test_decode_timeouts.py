@@ -11,10 +11,11 @@ import time
 import pytest
 import requests
 
+from tests.bodies import completion
 from tests.fakes import SSE_HEAD, chunk, serve_and_wait
 from tests.helpers import pd_roster
 
-COMPLETION = {"model": "tiny-llama", "prompt": "hello world", "max_tokens": 4}
+COMPLETION = completion(max_tokens=4)
 EVENT = b'data: {"choices":[{"index":0,"text":"x"}]}\n\n'
 #: Headers of an SSE answer that ends with the connection: no length, no chunking.
 UNFRAMED_SSE_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n"

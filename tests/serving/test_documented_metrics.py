@@ -18,14 +18,14 @@ import gevent
 import requests
 import yaml
 
+from tests.bodies import chat, image
 from tests.helpers import RawStream, Samples, eventually, scrape
 from tests.unit.test_kvaware import Publisher
 
 README = Path(__file__).parents[2] / "README.md"
 KEY = "metrics-admin-key"
-CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "tell me a story"}],
-        "temperature": 0, "max_tokens": 4}
-IMAGE = {"type": "image_url", "image_url": {"url": "https://media.invalid/m.png"}}
+CHAT = chat(temperature=0, max_tokens=4)
+IMAGE = image("https://media.invalid/m.png")
 SUFFIXES = ("_bucket", "_count", "_sum", "_created")
 
 
@@ -87,7 +87,7 @@ def test_every_documented_metric_moves(sim, proxy, tmp_path: Path) -> None:
     px.services.prober.probe_all()
     step()
     # Requests: a multimodal one (encode, prefill and decode stages), a stream (chunks).
-    image = {**CHAT, "messages": [{"role": "user", "content": [IMAGE]}]}
+    image = {**CHAT, **chat([IMAGE])}
     assert requests.post(px.url + "/v1/chat/completions", json=image, timeout=10).ok
     with requests.post(px.url + "/v1/chat/completions", json={**CHAT, "stream": True},
                        stream=True, timeout=10) as r:

@@ -12,9 +12,10 @@ import zlib
 import pytest
 import requests
 
+from tests.bodies import completion
 from tests.helpers import pd_roster
 
-COMPLETION = {"model": "tiny-llama", "prompt": "hello world", "max_tokens": 4}
+COMPLETION = completion(max_tokens=4)
 KEYS = ("sk-serving-one-0123456789", "sk-serving-two-9876543210")
 ADMIN = "admin-key-abcdefghijkl"
 

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 import logging
-import os
 import re
 from typing import Any
 
@@ -15,32 +13,15 @@ import requests
 from gevent.pywsgi import WSGIServer
 
 from epd_flask.core.errors import instance_label
+from tests.bodies import audio, image, multimodal, video
 
 MEDIA = ("image_url", "audio_url", "input_audio", "video_url")
 EMBEDS = ("image_embeds", "audio_embeds", "video_embeds")
 LOG_LINE = re.compile(r"request_id=(\S+) .*")
 
 
-def image(size: int = 1200) -> dict[str, Any]:
-    """A fresh image, so one test's encodings never satisfy another's lookups."""
-    data = base64.b64encode(os.urandom(size)).decode()
-    return {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}}
-
-
-def audio() -> dict[str, Any]:
-    data = base64.b64encode(os.urandom(600)).decode()
-    return {"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}
-
-
-def video() -> dict[str, Any]:
-    return {"type": "video_url",
-            "video_url": {"url": f"https://media.invalid/{os.urandom(8).hex()}.mp4"}}
-
-
 def chat(*parts: dict[str, Any], **extra: Any) -> dict[str, Any]:
-    return {"model": "tiny-llama", "max_tokens": 4, "temperature": 0, "messages": [
-        {"role": "user", "content": [{"type": "text", "text": "what is this?"}, *parts]}],
-        **extra}
+    return multimodal(*parts, **{"max_tokens": 4, "temperature": 0, **extra})
 
 
 def roster(encoders=(), prefills=(), decodes=(), pds=(), **settings: Any) -> dict[str, Any]:

@@ -10,10 +10,10 @@ import gevent
 import pytest
 import requests
 
+from tests.bodies import chat
 from tests.helpers import pd_roster
 
-CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "tell me a story"}],
-        "max_tokens": 6, "temperature": 0}
+CHAT = chat(max_tokens=6, temperature=0)
 
 
 def post(px, body=CHAT, **kw) -> requests.Response:

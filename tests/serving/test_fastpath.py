@@ -20,13 +20,13 @@ from typing import Any
 import pytest
 from gevent.pywsgi import WSGIServer
 
+from tests.bodies import chat, completion
 from tests.conftest import Proxy
 from tests.helpers import NoDelayHandler, pd_roster
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
-GOOD_CHAT: dict[str, Any] = {"model": "tiny-llama", "max_tokens": 3,
-                             "messages": [{"role": "user", "content": "hello"}]}
+GOOD_CHAT: dict[str, Any] = chat("hello", max_tokens=3)
 KEY = "sk-fastpath-test"
 Answer = tuple[int, str, list[tuple[str, str]], bytes]
 
@@ -125,7 +125,7 @@ AUTH = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
 
 @pytest.mark.parametrize(("path", "doc"), [
     (CHAT, GOOD_CHAT),
-    (COMPLETIONS, {"model": "tiny-llama", "max_tokens": 3, "prompt": "hello"}),
+    (COMPLETIONS, completion("hello", max_tokens=3)),
     (CHAT, {**GOOD_CHAT, "stream": True}),
     (CHAT, {**GOOD_CHAT, "kv_transfer_params": {"remote_host": "10.0.0.1"}}),
 ])

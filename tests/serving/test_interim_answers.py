@@ -13,6 +13,8 @@ import gevent
 import pytest
 import requests
 
+from tests.bodies import chat
+
 EARLY_HINTS = b"HTTP/1.1 103 Early Hints\r\nLink: </style.css>; rel=preload\r\n\r\n"
 UPGRADE = b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n"
 #: Between the hint and the answer: long enough that the answer is not there when a pooled
@@ -84,8 +86,7 @@ def hinting() -> Iterator[Any]:
 
 
 def _chat(text: str) -> dict[str, Any]:
-    return {"model": "tiny-llama", "messages": [{"role": "user", "content": text}],
-            "max_tokens": 4}
+    return chat(text, max_tokens=4)
 
 
 def test_early_hints_are_skipped_and_each_client_gets_its_own_answer(hinting, proxy) -> None:

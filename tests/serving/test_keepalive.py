@@ -19,9 +19,10 @@ from gevent.server import StreamServer
 
 from epd_flask.core import errors
 from epd_flask.upstream.transport import Transport
+from tests.bodies import completion
 from tests.helpers import pd_roster
 
-COMPLETION = {"model": "tiny-llama", "prompt": "hello world", "max_tokens": 4}
+COMPLETION = completion(max_tokens=4)
 
 
 def race(sim, proxy, backend_idle: float, proxy_idle: float, rounds: int) -> dict:

@@ -11,6 +11,7 @@ import gevent
 import pytest
 import requests
 
+from tests.bodies import completion, conversation
 from tests.helpers import eventually, scrape
 from tests.unit.test_kvaware import Publisher
 
@@ -41,7 +42,7 @@ def kv_fleet(sim, proxy, publishers: list[Publisher], n: int = 3) -> tuple[Any, 
 
 def complete(url: str, prompt: Any) -> dict[str, Any]:
     r = requests.post(url + "/v1/completions", timeout=10,
-                      json={"model": "tiny-llama", "prompt": prompt, "max_tokens": 2})
+                      json=completion(prompt, max_tokens=2))
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -109,8 +110,8 @@ def turns(topic: str) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
 
 
 def chat(url: str, messages: list[dict[str, str]]) -> dict[str, Any]:
-    r = requests.post(url + "/v1/chat/completions", timeout=10, json={
-        "model": "tiny-llama", "messages": messages, "max_tokens": 4})
+    r = requests.post(url + "/v1/chat/completions", timeout=10,
+                      json=conversation(messages, max_tokens=4))
     assert r.status_code == 200, r.text
     return r.json()
 

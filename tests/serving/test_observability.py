@@ -15,11 +15,11 @@ from xml.etree import ElementTree
 import pytest
 import requests
 
+from tests.bodies import chat, completion, image, multimodal
 from tests.helpers import RawStream, eventually, free_port, pd_roster, sample, scrape, total
 
-CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "tell me a story"}],
-        "max_tokens": 8, "temperature": 0}
-COMPLETION = {"model": "tiny-llama", "prompt": "hello world", "max_tokens": 6}
+CHAT = chat(max_tokens=8, temperature=0)
+COMPLETION = completion(max_tokens=6)
 H = "epd_stage_duration_seconds_count"
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -197,7 +197,7 @@ def test_prefill_prompt_and_cached_tokens_are_counted_and_status_shows_the_share
         {"role": "prefill", "url": p.url}, {"role": "decode", "url": d.url}]})
     px.services.history.sample()  # the window's start
     before = scrape(px.url)
-    body = {"model": "tiny-llama", "prompt": "the quick brown fox jumps " * 24, "max_tokens": 2}
+    body = completion("the quick brown fox jumps " * 24, max_tokens=2)
     answers = [requests.post(px.url + "/v1/completions", json=body, timeout=10).json()["usage"]
                for _ in range(2)]
     after = scrape(px.url)
@@ -412,10 +412,8 @@ def test_multimodal_epd_request_logs_all_five_stage_timings(
     doc = {"instances": [{"role": "encode", "url": e0.url}, {"role": "encode", "url": e1.url},
                          {"role": "prefill", "url": p.url}, {"role": "decode", "url": d.url}]}
     px = proxy(doc, log_upstream=True)
-    images = [{"type": "image_url", "image_url": {"url": f"https://media.invalid/{i}.png"}}
-              for i in range(3)]
-    body = {**CHAT, "stream": True, "messages": [
-        {"role": "user", "content": [{"type": "text", "text": "what is this?"}, *images]}]}
+    images = [image(f"https://media.invalid/{i}.png") for i in range(3)]
+    body = {**CHAT, **multimodal(*images, stream=True)}
     before = scrape(px.url)
     with caplog.at_level(logging.INFO, logger="epd_flask"):
         r = requests.post(px.url + "/v1/chat/completions", json=body, timeout=20,
@@ -449,8 +447,7 @@ def test_a_failing_encoder_is_counted_against_that_encoder(sim, proxy) -> None:
                          {"role": "decode", "url": d.url}]}
     px = proxy(doc)
     e.state.inject(fail_next=1, fail_status=500)
-    body = {**CHAT, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "https://media.invalid/x.png"}}]}]}
+    body = {**CHAT, **chat([image("https://media.invalid/x.png")])}
     before = scrape(px.url)
     r = requests.post(px.url + "/v1/chat/completions", json=body, timeout=20)
     assert r.status_code == 500

@@ -8,10 +8,10 @@ import re
 import gevent
 import requests
 
+from tests.bodies import chat
 from tests.helpers import RawStream, pd_roster
 
-CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "tell me a story"}],
-        "temperature": 0}
+CHAT = chat(temperature=0)
 LONG = {**CHAT, "max_tokens": 400, "stream": True}
 
 

@@ -13,6 +13,7 @@ import pytest
 import requests
 from gevent.pywsgi import WSGIServer
 
+from tests.bodies import completion
 from tests.helpers import NoDelayHandler
 
 ADMIN = "admin-key-abcdefghijkl"
@@ -157,8 +158,7 @@ def test_the_admin_credential_never_reaches_an_instance(upstream, path) -> None:
 def test_a_combined_instance_never_sees_the_clients_kv_transfer_params(sim, proxy) -> None:
     pd = sim("prefill_decode")
     px = proxy({"instances": [{"role": "prefill_decode", "url": pd.url}]})
-    r = requests.post(px.url + "/v1/completions", json={
-        "model": "tiny-llama", "prompt": "hi", "max_tokens": 2, "kv_transfer_params": HANDLES},
-        timeout=10)
+    r = requests.post(px.url + "/v1/completions",
+                      json=completion("hi", max_tokens=2, kv_transfer_params=HANDLES), timeout=10)
     assert r.status_code == 200, r.text
     assert "kv_transfer_params" not in pd.state.requests(1)[0]["body"]

@@ -12,11 +12,11 @@ import gevent
 import requests
 from gevent.pywsgi import WSGIServer
 
+from tests.bodies import chat, completion
 from tests.helpers import RawStream, pd_roster
 
-CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "tell me a story"}],
-        "max_tokens": 8, "temperature": 0}
-COMPLETION = {"model": "tiny-llama", "prompt": "hello world", "max_tokens": 6}
+CHAT = chat(max_tokens=8, temperature=0)
+COMPLETION = completion(max_tokens=6)
 
 
 def sse_events(resp: requests.Response) -> list[str]:

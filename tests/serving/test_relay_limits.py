@@ -13,11 +13,11 @@ import requests
 from epd_flask.serving import relay
 from epd_flask.serving.context import RequestContext
 from epd_flask.upstream.transport import Transport
+from tests.bodies import chat_stream
 from tests.fakes import LAST_CHUNK, SSE_HEAD, chunk
 from tests.helpers import pd_roster
 
-CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}],
-        "max_tokens": 4, "stream": True}
+CHAT = chat_stream("hi", max_tokens=4)
 MB = 1024 * 1024
 PIECE = 64 * 1024
 #: A loop stall past this while a long event passes means the relay is not linear (the

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import requests
 
+from tests import bodies
 from tests.helpers import eventually, pd_roster
 
 SYSTEM = {"role": "system", "content": "You answer in one short sentence. " * 20}
@@ -18,8 +19,8 @@ TURN2 = [*TURN1, {"role": "assistant", "content": "The KV of prompts it has seen
 
 
 def chat(url: str, messages: list[dict[str, str]], **extra: object) -> dict:
-    r = requests.post(url + "/v1/chat/completions", timeout=10, json={
-        "model": "tiny-llama", "messages": messages, "max_tokens": 4, **extra})
+    r = requests.post(url + "/v1/chat/completions", timeout=10,
+                      json=bodies.conversation(messages, max_tokens=4, **extra))
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -63,9 +64,7 @@ def test_session_header_keys_session_affinity_before_user(sim, proxy) -> None:
                          session_header="X-Session-Id"))
     for i in range(6):  # a different user each time, one session header
         r = requests.post(px.url + "/v1/chat/completions", timeout=10, headers={
-            "X-Session-Id": "s-42"}, json={"model": "tiny-llama", "max_tokens": 2,
-                                           "user": f"u{i}", "messages": [
-                                               {"role": "user", "content": f"q{i}"}]})
+            "X-Session-Id": "s-42"}, json=bodies.chat(f"q{i}", max_tokens=2, user=f"u{i}"))
         assert r.status_code == 200
     assert sorted(d.state.stats()["completions"] for d in ds) == [0, 0, 0, 6]
 

@@ -16,6 +16,7 @@ import gevent
 import pytest
 import requests
 
+from tests.bodies import chat
 from tests.helpers import eventually, pd_roster
 
 PROMPTS = ("the first client asks about apples", "the second client asks about the weather")
@@ -26,8 +27,7 @@ DECODE_TTFT = 0.1
 
 
 def _chat(prompt: str, stream: bool) -> dict[str, Any]:
-    return {"model": "tiny-llama", "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": 8, "temperature": 0, "stream": stream}
+    return chat(prompt, max_tokens=8, temperature=0, stream=stream)
 
 
 def _answer(url: str, prompt: str, stream: bool) -> str:

@@ -16,12 +16,13 @@ from epd_flask.control.roster import parse
 from epd_flask.core.errors import instance_label
 from epd_flask.sim import SimConfig, SimServer
 from epd_flask.upstream.tls import TLSConfigError
+from tests.bodies import completion
 from tests.certs import issue, make_ca
 from tests.helpers import pd_roster
 
 pytest.importorskip("cryptography")
 
-COMPLETION = {"model": "tiny-llama", "prompt": "hello world", "max_tokens": 4}
+COMPLETION = completion(max_tokens=4)
 SETTINGS = {"decode_retries": 0, "fail_threshold": 100}
 
 

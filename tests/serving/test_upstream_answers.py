@@ -4,7 +4,6 @@ and client-facing errors that name a stage and an instance label, never an inter
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 import os
@@ -15,10 +14,11 @@ import pytest
 import requests
 
 from epd_flask.core.errors import instance_label
+from tests.bodies import chat, completion, image
 from tests.fakes import response, serve_and_wait
 from tests.helpers import free_port, pd_roster
 
-COMPLETION = {"model": "tiny-llama", "prompt": "hello world", "max_tokens": 4}
+COMPLETION = completion(max_tokens=4)
 MB = 1024 * 1024
 PIECE = 64 * 1024
 
@@ -106,10 +106,7 @@ def test_an_oversized_encoder_answer_fails_the_encode_stage(sim, proxy, fake) ->
     px = proxy({"settings": {"decode_retries": 0}, "instances": [
         {"role": "encode", "url": e.url}, {"role": "prefill", "url": p.url},
         {"role": "decode", "url": d.url}]}, max_upstream_body_bytes=MB)
-    image = base64.b64encode(os.urandom(600)).decode()
-    r = post(px, {"model": "tiny-llama", "max_tokens": 2, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image}"}}]}]},
-        path="/v1/chat/completions")
+    r = post(px, chat([image(size=600)], max_tokens=2), path="/v1/chat/completions")
     assert r.status_code == 502, r.text
     err = r.json()["error"]
     assert err["code"] == "upstream_answer_too_large"

@@ -17,10 +17,10 @@ import gevent.pool
 import pytest
 import requests
 
+from tests.bodies import chat_stream
 from tests.helpers import RawStream, pd_roster
 
-CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "tell me a story"}],
-        "stream": True}
+CHAT = chat_stream()
 STORM = 1000
 CONCURRENCY = 50
 SETTLE_SECONDS = 2.0

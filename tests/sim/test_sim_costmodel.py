@@ -9,6 +9,7 @@ import time
 import requests
 
 from epd_flask.sim.costmodel import EngineClock
+from tests.bodies import completion, conversation
 
 SYSTEM = "You are a careful assistant who explains caches. " * 40  # ~500 tokens
 
@@ -34,9 +35,9 @@ def test_inter_token_time_grows_with_running_streams() -> None:
 
 def ask(url: str, content: str) -> tuple[float, dict]:
     started = time.monotonic()
-    r = requests.post(url + "/v1/chat/completions", timeout=10, json={
-        "model": "tiny-llama", "max_tokens": 2,
-        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": content}]})
+    r = requests.post(url + "/v1/chat/completions", timeout=10, json=conversation(
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": content}],
+        max_tokens=2))
     assert r.status_code == 200, r.text
     return time.monotonic() - started, r.json()["usage"]
 
@@ -65,7 +66,7 @@ def test_the_prefix_cache_evicts_least_recently_used_blocks(start_sim) -> None:
     sim = start_sim(role="prefill_decode", prompt_tokens_details=True, max_model_len=4096,
                     prefill_tokens_per_s=1e9, kv_cache_blocks=40)
     ask(sim.url, "a")
-    requests.post(sim.url + "/v1/completions", timeout=10, json={
-        "model": "tiny-llama", "max_tokens": 1, "prompt": "z" * 4000})  # 62 blocks evict it
+    requests.post(sim.url + "/v1/completions", timeout=10,
+                  json=completion("z" * 4000, max_tokens=1))  # 62 blocks evict it
     _, usage = ask(sim.url, "b")
     assert usage["prompt_tokens_details"] is None

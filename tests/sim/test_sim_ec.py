@@ -2,26 +2,20 @@
 
 from __future__ import annotations
 
-import os
-
 import requests
 
 from epd_flask.sim import media
+from tests.bodies import chat, image
 
 
 def _chat(url: str, content, **extra) -> requests.Response:
-    body = {"model": "tiny-llama", "max_tokens": 2,
-            "messages": [{"role": "user", "content": content}], **extra}
+    body = chat(content, **{"max_tokens": 2, **extra})
     return requests.post(url + "/v1/chat/completions", json=body, timeout=5)
-
-
-def _image() -> dict:
-    return {"type": "image_url", "image_url": {"url": f"https://m.invalid/{os.urandom(6).hex()}"}}
 
 
 def test_lm_uses_published_embeddings_and_encodes_the_rest(start_sim):
     enc, lm = start_sim(role="encode"), start_sim(role="prefill_decode")
-    known, unknown = _image(), _image()
+    known, unknown = image(), image()
     ec = _chat(enc.url, [known]).json()["ec_transfer_params"]
     ((key, entry),) = ec.items()
     ref = {"type": "image_embeds", "image_embeds": entry["metadata"], "uuid": key}
@@ -38,7 +32,7 @@ def test_a_reference_to_nothing_is_vllms_500_and_a_wrong_size_is_counted(start_s
     resp = _chat(lm.url, [missing])
     assert resp.status_code == 500 and "never-encoded" in resp.json()["error"]["message"]
     assert lm.state.stats()["ec_embeds_unresolved"] == 1
-    img = _image()
+    img = image()
     key = next(iter(_chat(enc.url, [img]).json()["ec_transfer_params"]))
     wrong = {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 64, 64]},
              "uuid": key}
@@ -60,7 +54,7 @@ def test_processing_options_rehash_keys_and_video_audio_is_reported_twice(start_
 def test_push_transfer_ids_are_counted_on_both_sides(start_sim):
     enc, lm = start_sim(role="encode"), start_sim(role="prefill_decode")
     push = {"consumer_zmq": "tcp://127.0.0.1:1", "ec_items": [{"transfer_id": "t"}]}
-    assert _chat(enc.url, [_image()], ec_transfer_params=push).status_code == 200
+    assert _chat(enc.url, [image()], ec_transfer_params=push).status_code == 200
     assert enc.state.stats()["ec_pushes"] == 1
     received = {"ec_items": [{"mm_hash": "k", "transfer_id": "t"}]}
     assert _chat(lm.url, "hi", ec_transfer_params=received).status_code == 200

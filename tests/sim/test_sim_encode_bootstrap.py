@@ -8,6 +8,7 @@ import json
 import pytest
 import requests
 
+from tests.bodies import chat, chat_stream, image
 from tests.sim.simclient import RawClient, load_sample, samples_available, shape
 
 IMAGE_A = "data:image/png;base64," + "A" * 3000
@@ -16,8 +17,7 @@ AUDIO = {"data": "UklGRg==", "format": "wav"}
 
 
 def _chat(url: str, content, **extra) -> requests.Response:
-    body = {"model": "tiny-llama", "max_tokens": 1,
-            "messages": [{"role": "user", "content": content}], **extra}
+    body = chat(content, **{"max_tokens": 1, **extra})
     return requests.post(url + "/v1/chat/completions", json=body, timeout=5)
 
 
@@ -28,7 +28,7 @@ def _canonical(value) -> str:
 def test_encoder_returns_one_entry_per_item(start_sim):
     enc = start_sim(role="encode")
     content = [
-        {"type": "image_url", "image_url": {"url": IMAGE_A}},
+        image(IMAGE_A),
         {"type": "text", "text": "what are these"},
         {"type": "image_url", "image_url": {"url": IMAGE_B}, "uuid": "my-uuid"},
         {"type": "input_audio", "input_audio": AUDIO},
@@ -52,7 +52,7 @@ def test_encoder_returns_one_entry_per_item(start_sim):
 
 def test_repeated_item_and_empty_metadata(start_sim):
     enc = start_sim(role="encode", ec_metadata="empty")
-    content = [{"type": "image_url", "image_url": {"url": IMAGE_B}}] * 2
+    content = [image(IMAGE_B)] * 2
     ec = _chat(enc.url, content).json()["ec_transfer_params"]
     (entry,) = ec.values()
     assert entry == {"item_indices": [0, 1], "metadata": {}}
@@ -61,7 +61,7 @@ def test_repeated_item_and_empty_metadata(start_sim):
 @pytest.mark.skipif(not samples_available(), reason="captured vLLM samples not found")
 def test_encoder_shape_matches_capture(start_sim):
     enc = start_sim(role="encode", ec_metadata="empty")
-    body = _chat(enc.url, [{"type": "image_url", "image_url": {"url": IMAGE_A}}]).json()
+    body = _chat(enc.url, [image(IMAGE_A)]).json()
     theirs = json.loads(load_sample("ec-example/02-encoder-chat")[2])
     # The item keys are data (hashes), not field names: compare the entries' shape only.
     for one in (body, theirs):
@@ -90,9 +90,7 @@ def test_encoder_stream_has_no_tokens(start_sim):
     client = RawClient(enc.url)
     try:
         client.send("POST", "/v1/chat/completions",
-                    {"messages": [{"role": "user", "content": [
-                        {"type": "image_url", "image_url": {"url": IMAGE_B}}]}],
-                     "stream": True})
+                    chat_stream([image(IMAGE_B)]))
         events = client.read_response().events
     finally:
         client.close()
@@ -104,7 +102,7 @@ def test_encoder_stream_has_no_tokens(start_sim):
 
 def test_language_model_counts_ec_params(start_sim):
     lm = start_sim(role="prefill_decode")
-    resp = _chat(lm.url, [{"type": "image_url", "image_url": {"url": IMAGE_B}}],
+    resp = _chat(lm.url, [image(IMAGE_B)],
                  ec_transfer_params={"k": {"item_indices": [0], "metadata": {}}})
     assert resp.status_code == 200
     assert lm.state.stats()["ec_params_received"] == 1

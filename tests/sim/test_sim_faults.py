@@ -7,10 +7,11 @@ import pytest
 import requests
 
 from epd_flask.sim import SimConfig, SimServer
+from tests.bodies import chat, completion
 from tests.sim.simclient import RawClient
 
-CHAT = {"messages": [{"role": "user", "content": "tell me a story"}], "max_tokens": 16}
-COMPLETION = {"prompt": "hello world", "max_tokens": 16}
+CHAT = chat(max_tokens=16)
+COMPLETION = completion(max_tokens=16)
 
 
 def _post(url: str, body: dict = COMPLETION, **kw) -> requests.Response:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
+from typing import Any
 
 import gevent
 import pytest
 import requests
 
+from tests import bodies
 from tests.sim.simclient import RawClient, load_sample, samples_available, shape, sse_events
 
 PROMPT = ("the quick brown fox jumps over the lazy dog and then tells me a story about cats "
@@ -18,13 +21,15 @@ PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False,
                   "remote_port": None}
 
 
+def _kind(chat: bool) -> tuple[str, Callable[..., dict[str, Any]]]:
+    return ("/v1/chat/completions", bodies.chat) if chat else ("/v1/completions",
+                                                              bodies.completion)
+
+
 def _prefill(url: str, chat: bool = False, prompt: str = PROMPT, **extra) -> dict:
-    if chat:
-        path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}]}
-    else:
-        path, body = "/v1/completions", {"prompt": prompt}
-    body.update({"model": "tiny-llama", "max_tokens": 1, "stream": False,
-                 "kv_transfer_params": PREFILL_PARAMS, **extra})
+    path, build = _kind(chat)
+    body = build(prompt, **{"max_tokens": 1, "stream": False,
+                            "kv_transfer_params": PREFILL_PARAMS, **extra})
     resp = requests.post(url + path, json=body, timeout=5)
     assert resp.status_code == 200
     return resp.json()
@@ -32,11 +37,8 @@ def _prefill(url: str, chat: bool = False, prompt: str = PROMPT, **extra) -> dic
 
 def _decode(url: str, params: dict | None, chat: bool = False, prompt: str = PROMPT,
             **extra) -> requests.Response:
-    if chat:
-        path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}]}
-    else:
-        path, body = "/v1/completions", {"prompt": prompt}
-    body.update({"model": "tiny-llama", "max_tokens": 8, **extra})
+    path, build = _kind(chat)
+    body = build(prompt, **{"max_tokens": 8, **extra})
     if params is not None:
         body["kv_transfer_params"] = params
     return requests.post(url + path, json=body, timeout=5)

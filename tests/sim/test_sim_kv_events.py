@@ -15,6 +15,7 @@ import zmq.green as zmq
 from epd_flask.sim import textgen
 from epd_flask.sim.cli import build_parser, config_from_args
 from epd_flask.sim.kvcache import PrefixCache, block_hashes
+from tests.bodies import completion, conversation
 
 #: Every wait on the socket ends; the events of a request come in its own response's time.
 RECV_TIMEOUT_MS = 2000
@@ -68,18 +69,19 @@ def subscribe(url: str) -> Subscriber:
     raise AssertionError("the subscription never reached the sim's publisher")
 
 
+def _asked(user: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
+
+
 def chat(url: str, user: str) -> dict[str, Any]:
-    r = requests.post(url + "/v1/chat/completions", timeout=5, json={
-        "model": "tiny-llama", "max_tokens": 1, "messages": [
-            {"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]})
+    r = requests.post(url + "/v1/chat/completions", timeout=5,
+                      json=conversation(_asked(user), max_tokens=1))
     assert r.status_code == 200, r.text
     return r.json()
 
 
 def tokenize_chat(url: str, user: str) -> list[int]:
-    r = requests.post(url + "/tokenize", timeout=5, json={
-        "model": "tiny-llama", "messages": [
-            {"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]})
+    r = requests.post(url + "/tokenize", timeout=5, json=conversation(_asked(user)))
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["count"] == len(body["tokens"]) and body["token_strs"] is None
@@ -131,8 +133,8 @@ def test_a_prompt_of_token_ids_is_cached_as_those_ids(start_sim) -> None:
     try:
         prompt = list(range(2000, 2040))
         for _ in range(2):
-            done = requests.post(sim.url + "/v1/completions", timeout=5, json={
-                "model": "tiny-llama", "prompt": prompt, "max_tokens": 1}).json()
+            done = requests.post(sim.url + "/v1/completions", timeout=5,
+                                 json=completion(prompt, max_tokens=1)).json()
         _, [stored] = sub.batch()
         assert stored["token_ids"] == prompt[:32]
         assert done["usage"]["prompt_tokens"] == 40
@@ -223,16 +225,15 @@ def test_a_batch_nobody_reads_never_holds_a_request(start_sim) -> None:
 def test_tokenize_matches_vllm_shape_and_the_completion_count(start_sim) -> None:
     sim = start_sim(role="prefill_decode")
     r = requests.post(sim.url + "/tokenize", timeout=5,
-                      json={"model": "tiny-llama", "prompt": "héllo, 世界!",
-                            "return_token_strs": True})
+                      json=completion("héllo, 世界!", return_token_strs=True))
     assert r.status_code == 200
     body = r.json()
     assert list(body) == ["count", "max_model_len", "tokens", "token_strs"]
     assert body["max_model_len"] == 512 and body["count"] == len(body["tokens"]) == 4
     assert "".join(body["token_strs"]).startswith("héllo")
     assert all(0 <= t < textgen.VOCAB_SIZE for t in body["tokens"])
-    done = requests.post(sim.url + "/v1/completions", timeout=5, json={
-        "model": "tiny-llama", "prompt": "héllo, 世界!", "max_tokens": 1}).json()
+    done = requests.post(sim.url + "/v1/completions", timeout=5,
+                         json=completion("héllo, 世界!", max_tokens=1)).json()
     assert done["usage"]["prompt_tokens"] == body["count"]
     messages = [{"role": "user", "content": "hi"}]
     with_prompt = requests.post(sim.url + "/tokenize", timeout=5,

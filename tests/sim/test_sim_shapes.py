@@ -7,6 +7,7 @@ import json
 import pytest
 import requests
 
+from tests.bodies import chat, completion
 from tests.sim.simclient import (
     RawClient,
     collapse,
@@ -19,9 +20,8 @@ from tests.sim.simclient import (
 needs_samples = pytest.mark.skipif(not samples_available(),
                                    reason="captured vLLM samples not found beside the checkout")
 
-COMPLETION = {"model": "tiny-llama", "prompt": "hello world", "max_tokens": 8, "temperature": 0}
-CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "tell me a story"}],
-        "max_tokens": 8, "temperature": 0}
+COMPLETION = completion(max_tokens=8, temperature=0)
+CHAT = chat(max_tokens=8, temperature=0)
 
 
 def _post(url: str, path: str, body: dict) -> requests.Response:

@@ -12,15 +12,9 @@ import pytest
 from epd_flask.control.roster import Instance
 from epd_flask.serving.connectors import CONNECTORS, Placement, Route, get_connector, prime_body
 from epd_flask.serving.connectors.nixl import complete_handles
+from tests.bodies import chat_stream
 
-CHAT = {
-    "model": "tiny-llama",
-    "messages": [{"role": "user", "content": "hi"}],
-    "stream": True,
-    "stream_options": {"include_usage": True},
-    "max_tokens": 64,
-    "temperature": 0,
-}
+CHAT = chat_stream("hi", stream_options={"include_usage": True}, max_tokens=64, temperature=0)
 HANDLES = {
     "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2, 3]],
     "remote_engine_id": "2033d88b-a27f-47b8-a92d-42c4256519c1",

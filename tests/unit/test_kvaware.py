@@ -24,6 +24,7 @@ from epd_flask.fleet.policies import Affinity, Decision
 from epd_flask.fleet.registry import Registry
 from epd_flask.fleet.routing import Router, serving
 from epd_flask.upstream.transport import Transport
+from tests.bodies import chat
 from tests.fakes import FakeUpstream, Handler, response, serve_and_wait
 from tests.helpers import eventually, free_port
 from tests.unit.test_kvcache import BLOCK, Engine, batch, stored
@@ -304,8 +305,7 @@ def tokenizing_fleet(publishers: list[Publisher], handler: Handler) -> tuple[
     return kv, router, fake, instances, key
 
 
-CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}],
-        "add_generation_prompt": True}
+CHAT = chat("hello", model="m", add_generation_prompt=True)
 
 
 def tokens_answer(conn: Any, _request: bytes) -> None:

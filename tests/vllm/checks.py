@@ -14,6 +14,7 @@ from typing import Any
 import gevent
 import requests
 
+from tests.bodies import chat, completion
 from tests.vllm.fleet import MODEL_NAME, VllmServer
 
 #: Real servers on a shared 2-core machine: generous, but every call ends.
@@ -35,13 +36,15 @@ def unique_prompt(tag: str) -> str:
 
 
 def completion_body(prompt: str, max_tokens: int = 8, **extra: Any) -> dict[str, Any]:
-    return {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens,
-            "temperature": 0, **extra}
+    """This tier's completion: greedy, so two servers' answers compare token for token."""
+    return completion(prompt, **{"model": MODEL_NAME, "max_tokens": max_tokens,
+                                 "temperature": 0, **extra})
 
 
 def chat_body(text: str, max_tokens: int = 8, **extra: Any) -> dict[str, Any]:
-    return {"model": MODEL_NAME, "messages": [{"role": "user", "content": text}],
-            "max_tokens": max_tokens, "temperature": 0, **extra}
+    """This tier's chat, greedy as ``completion_body``."""
+    return chat(text, **{"model": MODEL_NAME, "max_tokens": max_tokens, "temperature": 0,
+                         **extra})
 
 
 @dataclass

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from epd_flask.sim import SimConfig, SimServer
+from tests.bodies import chat, completion, completion_stream, image, text
 from tests.sim.wireshape import body_shape
 from tests.vllm.checks import post
 
@@ -42,10 +43,8 @@ def png_data_url(seed: int) -> str:
 
 
 def image_chat(seed: int, **extra) -> dict:
-    return {"model": "tiny-llama", "max_tokens": 6, "temperature": 0, **extra,
-            "messages": [{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": png_data_url(seed)}},
-                {"type": "text", "text": "what is in this picture"}]}]}
+    return chat([image(png_data_url(seed)), text("what is in this picture")],
+                **{"max_tokens": 6, "temperature": 0, **extra})
 
 
 @pytest.fixture(scope="module")
@@ -107,12 +106,10 @@ def test_proxy_runs_the_encoder_stage(epd, proxy, stream):
                  image_chat(seed=5, stream=True, stream_options={"include_usage": True}),
                  id="image-stream-usage"),
     pytest.param("/v1/chat/completions",
-                 {"model": "tiny-llama", "max_tokens": 1,
-                  "messages": [{"role": "user", "content": "text only"}]}, id="text-only"),
-    pytest.param("/v1/completions", {"model": "tiny-llama", "prompt": "hi", "max_tokens": 2},
-                 id="completion-text"),
-    pytest.param("/v1/completions", {"model": "tiny-llama", "prompt": "hi", "max_tokens": 2,
-                                     "stream": True}, id="completion-text-stream"),
+                 chat("text only", max_tokens=1), id="text-only"),
+    pytest.param("/v1/completions", completion("hi", max_tokens=2), id="completion-text"),
+    pytest.param("/v1/completions", completion_stream("hi", max_tokens=2),
+                 id="completion-text-stream"),
 ])
 def test_sim_encoder_matches_real_encoder(epd, path, body):
     """The simulated encoder (metadata {} like LLaVA) answers in the real encoder's shape."""

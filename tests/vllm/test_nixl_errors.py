@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.bodies import chat
 from tests.vllm.checks import call, completion_body, post, unique_prompt
 
 pytestmark = pytest.mark.vllm
@@ -37,7 +38,7 @@ def test_models_list_is_vllms(pd):
     pytest.param("/v1/completions", completion_body("hi", model="no-such-model"),
                  id="unknown-model"),
     pytest.param("/v1/chat/completions",
-                 {"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]},
+                 chat("hi", model="no-such-model"),
                  id="chat-unknown-model"),
 ])
 def test_an_unknown_model_is_refused_by_the_proxy_as_vllm_words_it(pd, path, body):
