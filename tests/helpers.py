@@ -10,12 +10,13 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import gevent
 from gevent.pywsgi import WSGIHandler
 
+T = TypeVar("T")
 #: A raw-socket peer's behaviour on one accepted connection (``raw_servers``).
 Handler = Callable[[socket.socket], None]
 #: How long a test waits for something the proxy does in the background (probes, aborts).
@@ -84,14 +85,38 @@ def pd_roster(prefills: list[Any], decodes: list[Any], **settings: Any) -> dict[
     return {"settings": settings, "instances": instances}
 
 
-def eventually(check: Callable[[], bool], seconds: float = EVENTUALLY) -> bool:
-    """Poll ``check`` until it is true or ``seconds`` pass; its last answer."""
+def eventually(check: Callable[[], T], seconds: float = EVENTUALLY, *, interval: float = 0.02,
+               what: str | Callable[[], str] = "",
+               ignoring: tuple[type[Exception], ...] = ()) -> T:
+    """Poll ``check`` every ``interval`` until its answer is truthy or ``seconds`` pass, and
+    give its last answer: every wait in the tests (in-process servers, and subprocesses, which
+    gevent's patched sleep waits for as well) is this one loop.
+
+    With ``what`` (or a function giving it when needed: a log's tail), a wait that runs out
+    fails the test naming what it waited for and the last answer instead of handing back the
+    falsy one. Exceptions of the ``ignoring`` types mean "not yet" (a server still starting);
+    if the last try raised one, it propagates."""
     deadline = time.monotonic() + seconds
-    while not check():
-        if time.monotonic() > deadline:
-            return check()
-        gevent.sleep(0.02)
-    return True
+    while True:
+        try:
+            answer = check()
+        except ignoring as exc:
+            if time.monotonic() > deadline:
+                if what:
+                    raise AssertionError(_timed_out(what, seconds, exc)) from exc
+                raise
+        else:
+            if answer or time.monotonic() > deadline:
+                break
+        gevent.sleep(interval)
+    if not answer and what:
+        raise AssertionError(_timed_out(what, seconds, answer))
+    return answer
+
+
+def _timed_out(what: str | Callable[[], str], seconds: float, last: object) -> str:
+    return f"not within {seconds:.1f} s: {what if isinstance(what, str) else what()} " \
+        f"(last: {last!r})"
 
 
 def stop_group(proc: subprocess.Popen[Any]) -> None:

@@ -7,21 +7,19 @@ variable they use, ``$job``, is replaced by the job being tested.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
 import re
 import shutil
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
 import requests
 import yaml
 
-from tests.helpers import free_port, stop_group
+from tests.helpers import eventually, free_port, stop_group
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMETHEUS_DIR = ROOT / "etc" / "prometheus"
@@ -102,15 +100,12 @@ class Prometheus:
         return self.log_path.read_text(errors="replace")[-3000:]
 
     def _wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT
-        while time.monotonic() < deadline:
+        def ready() -> bool:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"prometheus exited early: {self.tail()}")
-            with contextlib.suppress(requests.RequestException):
-                if requests.get(self.url + "/-/ready", timeout=1).status_code == 200:
-                    return
-            time.sleep(0.1)
-        raise RuntimeError(f"prometheus not ready after {START_TIMEOUT} s: {self.tail()}")
+            return requests.get(self.url + "/-/ready", timeout=1).status_code == 200
+        eventually(ready, START_TIMEOUT, interval=0.1, ignoring=(requests.RequestException,),
+                   what=lambda: f"prometheus ready: {self.tail()}")
 
     def api(self, path: str, **params: str) -> Any:
         r = requests.get(self.url + "/api/v1/" + path, params=params, timeout=10)

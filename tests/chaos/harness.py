@@ -35,7 +35,7 @@ from gevent.event import Event
 from epd_flask.core.errors import instance_label
 from tests.bodies import chat, completion, image, multimodal
 from tests.e2e.conftest import Process
-from tests.helpers import free_port
+from tests.helpers import eventually, free_port
 
 CLIENT_TIMEOUT = 30.0
 HEALTH_WAIT = 15.0
@@ -132,11 +132,7 @@ class Fleet:
         return all(not v["evicted"] for v in doc["instances"].values())
 
     def wait_all_live(self) -> None:
-        deadline = time.monotonic() + HEALTH_WAIT
-        while not self.all_live():
-            if time.monotonic() > deadline:
-                raise AssertionError("the fleet did not come back in time")
-            time.sleep(0.1)
+        eventually(self.all_live, HEALTH_WAIT, interval=0.1, what="the fleet back")
 
     def records(self, url: str) -> list[dict[str, Any]]:
         return requests.get(url + "/sim/requests", timeout=10).json()

@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ import pytest
 import requests
 import yaml
 
-from tests.helpers import free_port
+from tests.helpers import eventually, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT = 20.0
@@ -35,17 +34,12 @@ class Process:
                                      start_new_session=True)
 
     def wait_up(self, path: str = "/health") -> None:
-        deadline = time.monotonic() + START_TIMEOUT
-        while time.monotonic() < deadline:
+        def up() -> bool:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.url} exited early: {self.tail()}")
-            try:
-                if requests.get(self.url + path, timeout=1).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError(f"{self.url} not up after {START_TIMEOUT} s: {self.tail()}")
+            return requests.get(self.url + path, timeout=1).status_code == 200
+        eventually(up, START_TIMEOUT, interval=0.05, ignoring=(requests.RequestException,),
+                   what=lambda: f"{self.url} up: {self.tail()}")
 
     def stats(self) -> dict[str, Any]:
         return requests.get(self.url + "/sim/stats", timeout=5).json()

@@ -14,12 +14,11 @@ import re
 import shutil
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import requests
 
-from tests.helpers import free_port, stop_group
+from tests.helpers import eventually, free_port, stop_group
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED_CONF = ROOT / "etc" / "nginx.conf"
@@ -116,16 +115,13 @@ class Nginx:
         return self.error_log.read_text(errors="replace") if self.error_log.exists() else ""
 
     def _wait_up(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT
-        while time.monotonic() < deadline:
+        def up() -> bool:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"nginx exited early: {self.errors()[-3000:]}")
-            try:
-                requests.get(self.url + "/nginx-started", timeout=1)
-                return
-            except requests.RequestException:
-                time.sleep(0.05)
-        raise RuntimeError(f"nginx not up after {START_TIMEOUT} s: {self.errors()[-3000:]}")
+            requests.get(self.url + "/nginx-started", timeout=1)
+            return True
+        eventually(up, START_TIMEOUT, interval=0.05, ignoring=(requests.RequestException,),
+                   what=lambda: f"nginx up: {self.errors()[-3000:]}")
 
     def terminate(self) -> None:
         if self.proc.poll() is None:

@@ -13,7 +13,7 @@ import requests
 
 from tests.bodies import chat
 from tests.e2e.conftest import Process
-from tests.helpers import RawStream, free_port
+from tests.helpers import RawStream, eventually, free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -27,10 +27,8 @@ P2P_RID = re.compile(r"___prefill_addr_127\.0\.0\.1:21001___decode_addr_127\.0\.
 
 
 def wait_ready(gw) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT
-    while requests.get(gw.url + "/ready", timeout=5, headers=CLOSE).status_code != 200:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    eventually(lambda: requests.get(gw.url + "/ready", timeout=5, headers=CLOSE).status_code
+               == 200, READY_TIMEOUT, interval=0.05, what="the gateway ready")
 
 
 def fleet(procs, connector: str, p_args: tuple[str, ...] = (), d_args: tuple[str, ...] = (),
@@ -149,15 +147,12 @@ def client_leaves_early(p, d, gw) -> None:
     p.control("config", ttft=prefill_s)
     before = p.stats()["requests_aborted"], d.stats()["streams_started"]
     client = RawStream(gw.url, "/v1/chat/completions", {**CHAT, "stream": True})
-    deadline = time.monotonic() + 5
-    while not (p.stats()["in_flight"] and d.stats()["in_flight"]):
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    eventually(lambda: p.stats()["in_flight"] and d.stats()["in_flight"],
+               what="both legs in flight")
     left = time.monotonic()
     client.hang_up()
-    while p.stats()["in_flight"] or d.stats()["in_flight"]:
-        assert time.monotonic() - left < prefill_s
-        time.sleep(0.02)
+    eventually(lambda: not (p.stats()["in_flight"] or d.stats()["in_flight"]), prefill_s,
+               what="both legs ended before the prefill would have")
     closed_after = time.monotonic() - left
     print(f"client left before decode's first byte: both legs closed {closed_after * 1000:.0f}"
           f" ms later (prefill would have answered after {prefill_s * 1000:.0f} ms)")
@@ -190,8 +185,6 @@ def prefill_restarts(p, d, gw, bport: int, tmp_path) -> None:
 
 
 def rediscovered(gw, prefill_url: str, engine_id: str) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT
-    while requests.get(gw.url + "/health", timeout=5, headers=CLOSE).json()["bootstrap"][
-            prefill_url]["engine_ids"] != [engine_id]:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    eventually(lambda: requests.get(gw.url + "/health", timeout=5, headers=CLOSE).json()[
+        "bootstrap"][prefill_url]["engine_ids"] == [engine_id], READY_TIMEOUT, interval=0.05,
+        what=f"{prefill_url} rediscovered as {engine_id}")

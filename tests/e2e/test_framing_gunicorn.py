@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 from urllib.parse import urlsplit
 
 import pytest
 
 from tests.bodies import completion
+from tests.helpers import eventually
 
 pytestmark = pytest.mark.e2e
 
@@ -32,22 +32,22 @@ def exchange(url: str, head: bytes, body: bytes, half_close: bool = False) -> by
         if half_close:
             sock.shutdown(socket.SHUT_WR)
         data = b""
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
+
+        def ended() -> bool:
+            nonlocal data
             try:
                 chunk = sock.recv(65536)
             except TimeoutError:
-                break
-            if not chunk:
-                break
+                return True
             data += chunk
             head_end = data.find(b"\r\n\r\n")
-            if head_end >= 0:
-                length = next((int(line.split(b":", 1)[1]) for line in
-                               data[:head_end].split(b"\r\n")
-                               if line.lower().startswith(b"content-length:")), None)
-                if length is not None and len(data) >= head_end + 4 + length:
-                    break
+            if not chunk or head_end < 0:
+                return not chunk
+            length = next((int(line.split(b":", 1)[1]) for line in
+                           data[:head_end].split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), None)
+            return length is not None and len(data) >= head_end + 4 + length
+        eventually(ended, 10, interval=0)
         return data
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import os
@@ -18,7 +17,7 @@ import requests
 import yaml
 
 from tests.bodies import chat
-from tests.helpers import RawStream, free_port
+from tests.helpers import RawStream, eventually, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -70,9 +69,7 @@ def test_client_disconnect_reaches_decode_through_gunicorn(procs) -> None:
     client.first_event()
     left_at = time.time()
     client.hang_up()
-    deadline = time.monotonic() + 5
-    while d.stats()["streams_aborted"] == 0 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    eventually(lambda: d.stats()["streams_aborted"])
     stats = d.stats()
     assert stats["streams_aborted"] == 1
     print(f"\ndecode saw the abort {(stats['last_abort_at'] - left_at) * 1000:.0f} ms after "
@@ -91,15 +88,11 @@ def test_client_leaving_a_non_stream_request_aborts_decode_through_gunicorn(
     d = procs["sim"]("decode", "--ttft-ms", "5000")
     gw = procs["gunicorn"](roster(p, d), *(("-k", worker) if worker else ()))
     client = RawStream(gw.url, "/v1/chat/completions", {**CHAT, "max_tokens": 8})
-    deadline = time.monotonic() + 5
-    while d.stats()["in_flight"] == 0 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    eventually(lambda: d.stats()["in_flight"])
     time.sleep(0.3)
     left_at = time.time()
     client.hang_up()
-    deadline = time.monotonic() + 5
-    while d.stats()["requests_aborted"] == 0 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    eventually(lambda: d.stats()["requests_aborted"])
     stats = d.stats()
     assert stats["requests_aborted"] == 1
     print(f"\n{worker}: decode saw the abort {(stats['last_abort_at'] - left_at) * 1000:.0f} "
@@ -135,14 +128,8 @@ def test_plain_gunicorn_command_runs_hooks_and_probes(procs) -> None:
     doc = roster(p, d, probe_interval=0.2, fail_threshold=1)
     doc["instances"].append({"role": "decode", "url": "http://127.0.0.1:9"})
     gw = procs["gunicorn"](doc, "-k", "gevent")
-    deadline = time.monotonic() + 10
-    evicted: list[str] = []
-    while time.monotonic() < deadline:
-        evicted = requests.get(gw.url + "/health", timeout=5).json()["instances"]["decode"][
-            "evicted"]
-        if evicted:
-            break
-        time.sleep(0.1)
+    evicted = eventually(lambda: requests.get(gw.url + "/health", timeout=5).json()[
+        "instances"]["decode"]["evicted"], 10, interval=0.1)
     assert evicted == ["http://127.0.0.1:9"]
     assert requests.get(gw.url + "/ready", timeout=5).status_code == 200
 
@@ -169,10 +156,8 @@ def test_the_repository_config_file_reexports_the_packaged_one(procs) -> None:
     assert ok.status_code == 200
     before = gw.workers()
     os.kill(gw.proc.pid, signal.SIGHUP)
-    deadline = time.monotonic() + 15
-    while (not gw.workers() or gw.workers() & before) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert gw.workers() and not gw.workers() & before, gw.tail()
+    eventually(lambda: gw.workers() and not gw.workers() & before, 15, interval=0.05,
+               what=lambda: f"the workers replaced: {gw.tail()}")
     assert "roster" in gw.tail() and "reloaded" in gw.tail()
     again = requests.post(gw.url + "/v1/chat/completions", json={**CHAT, "max_tokens": 4},
                           timeout=30)
@@ -224,14 +209,12 @@ def test_admin_api_over_a_read_only_roster_refuses_to_start(tmp_path) -> None:
                               env=env, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL, start_new_session=True) as proc:
             try:
-                deadline = time.monotonic() + 20
-                up = False
-                while time.monotonic() < deadline and proc.poll() is None and not up:
-                    with contextlib.suppress(requests.RequestException):
-                        up = requests.get(f"http://127.0.0.1:{port}/health",
-                                          timeout=1).status_code == 200
-                    time.sleep(0.05)
-                assert up, "gunicorn did not serve the read-only roster without the admin API"
+                def up() -> bool:
+                    assert proc.poll() is None, "gunicorn exited with a read-only roster"
+                    return requests.get(f"http://127.0.0.1:{port}/health",
+                                        timeout=1).status_code == 200
+                eventually(up, 20, interval=0.05, ignoring=(requests.RequestException,),
+                           what="gunicorn serving the read-only roster without the admin API")
             finally:
                 os.killpg(proc.pid, signal.SIGTERM)
                 proc.wait(timeout=30)

@@ -11,7 +11,6 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import requests
@@ -151,10 +150,7 @@ def test_client_disconnect_at_nginx_aborts_decode(front: Nginx, decode: Process)
     client.first_event()
     left_at = time.time()
     client.hang_up()
-    deadline = time.monotonic() + 5
-    while (decode.stats()["streams_aborted"] == before["streams_aborted"]
-           and time.monotonic() < deadline):
-        time.sleep(0.02)
+    eventually(lambda: decode.stats()["streams_aborted"] != before["streams_aborted"])
     after = decode.stats()
     assert after["streams_aborted"] == before["streams_aborted"] + 1
     assert after["streams_completed"] == before["streams_completed"]
@@ -236,14 +232,8 @@ def test_no_reachable_host_is_a_json_502(stack: dict[str, Callable]) -> None:
 
 # -- under load --------------------------------------------------------------------------------
 
-def wait_for(predicate: Callable[[], Any], timeout: float = 15.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError("condition not met in time")
+#: How long a wait under load (workers forked, streams done) may take.
+LOAD_WAIT = 15.0
 
 
 def test_sighup_under_load_through_nginx_loses_nothing(stack: dict[str, Callable],
@@ -251,18 +241,20 @@ def test_sighup_under_load_through_nginx_loses_nothing(stack: dict[str, Callable
     decode.control("config", token_delay=0.01)
     gw = stack["host"](workers=2)
     edge = stack["nginx"]([gw.url])
-    old = wait_for(lambda: gw.workers() if len(gw.workers()) == 2
-                   else None)
+    old = eventually(lambda: gw.workers() if len(gw.workers()) == 2 else None, LOAD_WAIT,
+                     what="two workers")
     with Load(edge.url, clients=8, max_tokens=12) as load:
         # Streams of ~1.5 s that are open while the workers are replaced.
         spanning = load.spawn_streams(3, max_tokens=150)
-        wait_for(lambda: load.completed >= 10)
+        eventually(lambda: load.completed >= 10, LOAD_WAIT, what="10 streams done")
         hup_at = time.monotonic()
         os.kill(gw.proc.pid, signal.SIGHUP)
-        new = wait_for(lambda: (gw.workers() - old
-                                if len(gw.workers() - old) == 2 else None))
+        new = eventually(lambda: (gw.workers() - old
+                                  if len(gw.workers() - old) == 2 else None), LOAD_WAIT,
+                         what="two new workers")
         load.mark("after reload")
-        wait_for(lambda: load.completed_since("after reload") >= 40)
+        eventually(lambda: load.completed_since("after reload") >= 40, LOAD_WAIT,
+                   what="40 streams done after the reload")
     spanning_results = [g.value for g in spanning]
     print(f"\nSIGHUP through nginx: {load.summary()}; new workers {sorted(new)} forked "
           f"{(load.marks['after reload'] - hup_at) * 1000:.0f} ms after the signal; "
@@ -279,12 +271,13 @@ def test_one_of_two_hosts_stopped_mid_load_fails_nothing(stack: dict[str, Callab
     edge = stack["nginx"]([a.url, b.url])
     with Load(edge.url, clients=8, max_tokens=12) as load:
         spanning = load.spawn_streams(4, max_tokens=150)
-        wait_for(lambda: load.completed >= 20)
+        eventually(lambda: load.completed >= 20, LOAD_WAIT, what="20 streams done")
         b.terminate()  # SIGTERM to b's master: a graceful stop
         load.mark("after stop")
         # b no longer accepts connections: nginx must send new requests to a.
-        wait_for(lambda: not reachable(b.url), timeout=5)
-        wait_for(lambda: load.completed_since("after stop") >= 60)
+        eventually(lambda: not reachable(b.url), what="b stopped")
+        eventually(lambda: load.completed_since("after stop") >= 60, LOAD_WAIT,
+                   what="60 streams done after the stop")
     spanning_results = [g.value for g in spanning]
     stopped = b.url.removeprefix("http://")
     retried = [line for line in edge.errors().splitlines()

@@ -14,7 +14,7 @@ import requests
 
 from tests import prometheus as prom
 from tests.bodies import chat, completion
-from tests.helpers import pd_roster
+from tests.helpers import eventually, pd_roster
 
 pytestmark = [
     pytest.mark.e2e,
@@ -36,16 +36,6 @@ def send(base: str, job: tuple[str, dict]) -> int:
     return r.status_code
 
 
-def wait_for(what: str, check, timeout: float = DATA_TIMEOUT):
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result or time.monotonic() > deadline:
-            assert result, f"no {what} after {timeout} s"
-            return result
-        time.sleep(0.25)
-
-
 def test_every_recording_rule_and_dashboard_query_has_data(procs, tmp_path: Path) -> None:
     started = time.monotonic()
     p = procs["sim"]("prefill")
@@ -56,7 +46,8 @@ def test_every_recording_rule_and_dashboard_query_has_data(procs, tmp_path: Path
     server = prom.Prometheus(tmp_path / "prometheus", gw.url.removeprefix("http://"))
     try:
         # Scraped before the load, so rates and quantiles cover it.
-        wait_for("scrape", lambda: server.query(f'up{{job="{JOB}"}} == 1'))
+        eventually(lambda: server.query(f'up{{job="{JOB}"}} == 1'), DATA_TIMEOUT,
+                   interval=0.25, what="a scrape")
 
         d1.control("faults", fail_next=2)  # two decode failures, retried on the other decode
         jobs = [("/v1/chat/completions", {**CHAT, "stream": True})] * 24
@@ -71,11 +62,11 @@ def test_every_recording_rule_and_dashboard_query_has_data(procs, tmp_path: Path
         d2.control("faults", health_fail=True)  # evicted at its next probe
 
         for name in sorted(prom.recorded_names()):
-            wait_for(f"data for recording rule {name}",
-                     lambda name=name: server.query(f'{name}{{job="{JOB}"}}'))
+            eventually(lambda name=name: server.query(f'{name}{{job="{JOB}"}}'), DATA_TIMEOUT,
+                       interval=0.25, what=f"data for recording rule {name}")
         for title, expr in prom.dashboard_queries(JOB):
-            wait_for(f"data for dashboard panel {title!r}: {expr}",
-                     lambda expr=expr: server.query(expr))
+            eventually(lambda expr=expr: server.query(expr), DATA_TIMEOUT, interval=0.25,
+                       what=f"data for dashboard panel {title!r}: {expr}")
 
         # The numbers mean what they say.
         [chat] = server.query(f'job_route:epd_request_first_byte_seconds:quantile5m{{job="{JOB}",'
@@ -97,7 +88,8 @@ def test_every_recording_rule_and_dashboard_query_has_data(procs, tmp_path: Path
                 alerts.setdefault(alert["labels"]["alertname"], []).append(
                     {**alert["labels"], "state": alert["state"]})
             return alerts if all(name in alerts for name in expected) else {}
-        alerts = wait_for(" and ".join(expected) + " alerts", pending)
+        alerts = eventually(pending, DATA_TIMEOUT, interval=0.25,
+                            what=" and ".join(expected) + " alerts")
         assert [(a["role"], a["exported_instance"], a["state"])
                 for a in alerts["EPDInstanceEvicted"]] == [("decode", d2.url, "pending")]
         assert [a["state"] for a in alerts["EPDOverloadShedding"]] == ["pending"]

@@ -20,7 +20,7 @@ import yaml
 
 from epd_flask.core.errors import instance_label
 from tests.bodies import chat_stream
-from tests.helpers import sample, scrape
+from tests.helpers import eventually, sample, scrape
 
 pytestmark = pytest.mark.e2e
 
@@ -31,6 +31,8 @@ LONG_TOKENS = 150  # ~1.5 s: straddles a reload
 #: ~8 s at 20 ms a token: still draining on an old worker after its successors booted on a
 #: loaded machine.
 DRAINED_TOKENS = 400
+#: How long a wait on the gateway (ready, a log line, traffic) may take.
+WAIT = 10.0
 KEY = "e2e-admin-key"
 # Ours: "2026-01-01 10:00:00,123 [pid] ..."; gunicorn's: "[2026-01-01 10:00:00 +0000] [pid] ..."
 LOG_TIME = re.compile(r"^\[?(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)(?:,(\d{3})| [+-]\d{4}\])"
@@ -109,16 +111,6 @@ def log_lines(proc: Any, *words: str) -> list[tuple[float, int, str]]:
     return out
 
 
-def wait_for(predicate: Any, timeout: float = 10.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def write_roster(path: Path, instances: list[dict[str, str]], **settings: Any) -> None:
     path.write_text("# e2e roster\n" + yaml.safe_dump({"settings": settings,
                                                       "instances": instances}))
@@ -135,7 +127,7 @@ def test_reload_under_stream_load(procs, tmp_path) -> None:
     write_roster(roster_file, [pre, {"role": "decode", "url": d1.url},
                                {"role": "decode", "url": d2.url}], **settings)
     gw = procs["gunicorn"](None, roster_file=roster_file, workers=2)
-    wait_for(lambda: requests.get(gw.url + "/ready", timeout=5).ok, what="ready")
+    eventually(lambda: requests.get(gw.url + "/ready", timeout=5).ok, WAIT, what="ready")
     master = gw.proc.pid
     load = Load(gw.url)
     long_results: list[dict[str, Any]] = []
@@ -162,7 +154,8 @@ def test_reload_under_stream_load(procs, tmp_path) -> None:
                                {"role": "decode", "url": d3.url}], **settings)
     hup1 = time.time()
     os.kill(master, signal.SIGHUP)
-    first_d3 = wait_for(lambda: completion_times(d3), what="traffic on the added decode")[0]
+    first_d3 = eventually(lambda: completion_times(d3), WAIT,
+                          what="traffic on the added decode")[0]
     gevent.joinall(longs, timeout=30)
     # 2: remove d1 while a long stream runs on it.
     longs = long_streams(2, on=d1)
@@ -179,7 +172,7 @@ def test_reload_under_stream_load(procs, tmp_path) -> None:
                            "dp_sise: 2}\n")
     hup3 = time.time()
     os.kill(master, signal.SIGHUP)
-    rejected = wait_for(lambda: log_lines(gw, "REJECTED"), what="the rejection in the log")
+    rejected = eventually(lambda: log_lines(gw, "REJECTED"), WAIT, what="the rejection in the log")
     seen_rejected = time.time()
     gevent.joinall(longs, timeout=30)
     mark = time.time()
@@ -229,25 +222,25 @@ def test_dead_decode_is_evicted_then_rejoins(procs, tmp_path) -> None:
                                {"role": "decode", "url": d2.url}],
                  probe_interval=interval, fail_threshold=threshold, decode_retries=1)
     gw = procs["gunicorn"](None, roster_file=roster_file, workers=2)
-    wait_for(lambda: requests.get(gw.url + "/ready", timeout=5).ok, what="ready")
+    eventually(lambda: requests.get(gw.url + "/ready", timeout=5).ok, WAIT, what="ready")
     load = Load(gw.url, clients=4)
     time.sleep(0.5)
     port = int(d1.url.rsplit(":", 1)[1])
     killed = time.time()
     os.killpg(d1.proc.pid, signal.SIGKILL)
     d1.proc.wait(5)
-    evictions = wait_for(lambda: (lines := log_lines(gw, "evicted", d1.url)) and
-                         len({pid for _, pid, _ in lines}) == 2 and lines,
-                         what="eviction in both workers")
+    evictions = eventually(lambda: (lines := log_lines(gw, "evicted", d1.url)) and
+                           len({pid for _, pid, _ in lines}) == 2 and lines,
+                           WAIT, what="eviction in both workers")
     offset = len(log_lines(gw, "attempt 1 failed", d1.url))
     time.sleep(1.0)
     routed_after = log_lines(gw, "attempt 1 failed", d1.url)[offset:]
     d1b = procs["sim"]("decode", *DECODE_ARGS, port=port)
     restarted = time.time()  # answering /health from now on
-    rejoins = wait_for(lambda: (lines := log_lines(gw, "rejoined", d1.url)) and
-                       len({pid for _, pid, _ in lines}) == 2 and lines,
-                       what="rejoin in both workers")
-    wait_for(lambda: completion_times(d1b), what="traffic on the restarted decode")
+    rejoins = eventually(lambda: (lines := log_lines(gw, "rejoined", d1.url)) and
+                         len({pid for _, pid, _ in lines}) == 2 and lines,
+                         WAIT, what="rejoin in both workers")
+    eventually(lambda: completion_times(d1b), WAIT, what="traffic on the restarted decode")
     results = load.stop()
 
     # Only streams the killed decode was generating when it died may end early (in band,
@@ -318,7 +311,7 @@ def test_admin_registration_reaches_every_worker_and_survives_restart(procs, tmp
     gw2 = procs["gunicorn"](None, roster_file=roster_file, workers=2, env=env)
     _, listed = call("GET", gw2.url + "/instances", headers=auth)
     assert d2.url in [row["url"] for row in listed["data"]]
-    wait_for(lambda: requests.get(gw2.url + "/ready", timeout=5).ok, what="ready")
+    eventually(lambda: requests.get(gw2.url + "/ready", timeout=5).ok, WAIT, what="ready")
     with requests.Session() as s:
         for _ in range(6):
             assert stream(s, gw2.url, 4)["complete"]
@@ -340,7 +333,7 @@ def test_an_edit_applies_while_an_earlier_reload_still_drains(procs, tmp_path) -
     pre, first = {"role": "prefill", "url": p.url}, {"role": "decode", "url": d1.url}
     write_roster(roster_file, [pre, first], probe_interval=0.5)
     gw = procs["gunicorn"](None, roster_file=roster_file, workers=2)
-    wait_for(lambda: requests.get(gw.url + "/ready", timeout=5).ok, what="ready")
+    eventually(lambda: requests.get(gw.url + "/ready", timeout=5).ok, WAIT, what="ready")
     long_done: list[float] = []
 
     def long_stream() -> None:
@@ -349,13 +342,13 @@ def test_an_edit_applies_while_an_earlier_reload_still_drains(procs, tmp_path) -
         long_done.append(time.time())
 
     g = gevent.spawn(long_stream)
-    wait_for(lambda: d1.stats()["in_flight"] > 0, what="the long stream")
+    eventually(lambda: d1.stats()["in_flight"] > 0, WAIT, what="the long stream")
     os.kill(gw.proc.pid, signal.SIGHUP)  # reload 1: its old worker drains the long stream
     # The second edit is for the workers reload 1 started: wait until they serve (a boot
     # takes seconds on a loaded machine; until then only a draining worker, which stops
     # accepting within a second, could take a request at all).
-    wait_for(lambda: len(log_lines(gw, "inherited the health")) >= 2, timeout=30,
-             what="the workers of the first reload")
+    eventually(lambda: len(log_lines(gw, "inherited the health")) >= 2, 30,
+               what="the workers of the first reload")
     assert d1.stats()["in_flight"] > 0, "the long stream ended before the new workers booted"
     write_roster(roster_file, [pre, first, {"role": "decode", "url": d2.url}],
                  probe_interval=0.5)
@@ -372,8 +365,8 @@ def test_an_edit_applies_while_an_earlier_reload_still_drains(procs, tmp_path) -
     assert reached[0] < long_done[0]
     # gunicorn handles the queued second SIGHUP once the drain is over; let it finish
     # starting those workers before the fixture stops everything.
-    wait_for(lambda: len(log_lines(gw, "Hang up")) == 2
-             and len(log_lines(gw, "inherited the health")) >= 4, what="the queued reload")
+    eventually(lambda: len(log_lines(gw, "Hang up")) == 2
+               and len(log_lines(gw, "inherited the health")) >= 4, WAIT, what="the queued reload")
     print(f"\nsecond SIGHUP -> first request on its new decode: {reached[0] - hup2:.3f} s; "
           f"the long stream of the first reload ended {long_done[0] - hup2:.3f} s after it")
 
@@ -394,17 +387,17 @@ def test_new_workers_inherit_a_reload_the_master_could_not_publish(procs, tmp_pa
     published.mkdir()
     write_roster(roster_file, [pre, {"role": "decode", "url": d2.url}])
     os.kill(gw.proc.pid, signal.SIGHUP)
-    wait_for(lambda: log_lines(gw, "cannot publish the reloaded roster"),
-             what="the failed publish")
-    wait_for(lambda: d2.url in requests.get(gw.url + "/status", timeout=5).text, timeout=30,
-             what="a new worker serving the reloaded roster")
-    (worker,) = wait_for(lambda: len(gw.workers()) == 1 and gw.workers(), timeout=30,
-                         what="the old worker's exit")
+    eventually(lambda: log_lines(gw, "cannot publish the reloaded roster"), WAIT,
+               what="the failed publish")
+    eventually(lambda: d2.url in requests.get(gw.url + "/status", timeout=5).text, 30,
+               what="a new worker serving the reloaded roster")
+    (worker,) = eventually(lambda: len(gw.workers()) == 1 and gw.workers(), 30,
+                           what="the old worker's exit")
     roster_file.write_text("instances: [\n")  # what a worker must never boot from
     os.kill(worker, signal.SIGKILL)
-    wait_for(lambda: gw.workers() - {worker}, timeout=30, what="the replacement worker")
-    wait_for(lambda: requests.get(gw.url + "/ready", timeout=5).ok, timeout=30,
-             what="the replacement worker ready")
+    eventually(lambda: gw.workers() - {worker}, 30, what="the replacement worker")
+    eventually(lambda: requests.get(gw.url + "/ready", timeout=5).ok, 30,
+               what="the replacement worker ready")
     with requests.Session() as s:
         assert stream(s, gw.url, 4)["complete"]
     assert gw.proc.poll() is None

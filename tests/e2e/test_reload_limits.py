@@ -17,7 +17,7 @@ import yaml
 
 from tests.bodies import chat
 from tests.e2e.conftest import ROOT
-from tests.helpers import free_port
+from tests.helpers import eventually, free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -36,13 +36,12 @@ def rejections(gw) -> list[str]:
 def wait_for_rejection(gw, seen: int, words: str, started: float) -> tuple[float, int]:
     """Seconds until a rejection naming ``words`` is logged after the first ``seen``; and
     how many rejections are logged by then."""
-    deadline = started + 60
-    while time.monotonic() < deadline:
+    def logged() -> list[str]:
         found = rejections(gw)
-        if any(words in line for line in found[seen:]):
-            return time.monotonic() - started, len(found)
-        time.sleep(0.02)
-    raise AssertionError(f"no rejection with {words!r} logged: {gw.tail()}")
+        return found if any(words in line for line in found[seen:]) else []
+    found = eventually(logged, started + 60 - time.monotonic(),
+                       what=lambda: f"a rejection with {words!r} logged: {gw.tail()}")
+    return time.monotonic() - started, len(found)
 
 
 def test_oversized_and_foreign_rosters_are_refused_on_sighup(procs, tmp_path: Path) -> None:
@@ -98,10 +97,7 @@ def test_oversized_and_foreign_rosters_are_refused_on_sighup(procs, tmp_path: Pa
     path.unlink()
     path.symlink_to(target)
     os.kill(gw.proc.pid, signal.SIGHUP)
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and "reloaded: generation" not in whole_log(gw):
-        time.sleep(0.05)
-    assert "reloaded: generation" in whole_log(gw)
+    assert eventually(lambda: "reloaded: generation" in whole_log(gw), 20, interval=0.05)
 
 
 def test_start_up_with_a_secrets_file_names_no_secret(tmp_path: Path) -> None:

@@ -29,7 +29,7 @@ import epd_flask
 from epd_flask.control import settings
 from tests.bodies import chat_stream
 from tests.e2e.conftest import ROOT, START_TIMEOUT
-from tests.helpers import free_port
+from tests.helpers import eventually, free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -83,14 +83,6 @@ def children(pid: int) -> set[int]:
                 if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
                     found.add(int(entry.name))
     return found
-
-
-def wait_for(predicate, what: str, timeout: float = START_TIMEOUT) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        time.sleep(0.05)
 
 
 def stream(url: str) -> list[bytes]:
@@ -156,7 +148,8 @@ def test_the_wheel_serves_reloads_and_stops_outside_the_checkout(tmp_path: Path,
              "--keepalive", "2", "--graceful-timeout", "10"],
             cwd=run, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        wait_for(lambda: health(url).get("ready") or server.poll() is not None, "server up")
+        eventually(lambda: health(url).get("ready") or server.poll() is not None,
+                   START_TIMEOUT, interval=0.05, what="server up")
         assert server.poll() is None, log.read_text()
         up = time.monotonic()
         # `epd-flask` became the gunicorn master (exec: same pid), running the packaged
@@ -181,11 +174,11 @@ def test_the_wheel_serves_reloads_and_stops_outside_the_checkout(tmp_path: Path,
         reloaded = epd_flask_cmd("--pidfile", str(pidfile), "reload")
         assert reloaded.returncode == 0, reloaded.stderr
         assert f"pid {server.pid}" in reloaded.stdout
-        wait_for(lambda: sorted(health(url).get("instances", {}).get("decode", {})
-                                .get("live", [])) == sorted([decode.url, decode2.url]),
-                 "the new decode in /health")
-        wait_for(lambda: children(server.pid) and not children(server.pid) & workers,
-                 "old worker replaced")
+        eventually(lambda: sorted(health(url).get("instances", {}).get("decode", {})
+                                  .get("live", [])) == sorted([decode.url, decode2.url]),
+                   START_TIMEOUT, interval=0.05, what="the new decode in /health")
+        eventually(lambda: children(server.pid) and not children(server.pid) & workers,
+                   START_TIMEOUT, interval=0.05, what="old worker replaced")
         assert stream(url)[-1] == b"[DONE]"
         assert server.poll() is None
         reloaded_at = time.monotonic()

@@ -15,7 +15,7 @@ import gevent
 import pytest
 
 from tests.bodies import chat, image, multimodal
-from tests.helpers import RawStream, pd_roster, sample, scrape
+from tests.helpers import RawStream, eventually, pd_roster, sample, scrape
 
 CHAT = chat(max_tokens=8, temperature=0)
 #: When the client leaves, well inside the slow leg.
@@ -37,10 +37,7 @@ def _leave_and_time(px: Any, body: dict[str, Any], upstream: Any) -> float:
     assert upstream.state.stats()["in_flight"] == 1  # the slow leg is being waited on
     left_at = time.time()
     client.hang_up()
-    deadline = time.monotonic() + 3.0
-    while not _aborted(upstream) and time.monotonic() < deadline:
-        gevent.sleep(0.01)
-    assert _aborted(upstream), "the instance never saw the client leave"
+    eventually(lambda: _aborted(upstream), 3.0, what="the instance seeing the client leave")
     return upstream.state.stats()["last_abort_at"] - left_at
 
 
@@ -55,9 +52,7 @@ def _499s(px: Any) -> float:
 
 def _counted_as_499(px: Any, caplog: pytest.LogCaptureFixture, wait: Callable[[], bool],
                     before: float) -> None:
-    deadline = time.monotonic() + 3.0
-    while not wait() and time.monotonic() < deadline:
-        gevent.sleep(0.01)
+    eventually(wait, 3.0)
     lines = [r.getMessage() for r in caplog.records if r.name == "epd_flask.requests"]
     assert len(lines) == 1 and " status=499 " in lines[0], lines
     assert "client closed the connection" in lines[0]
@@ -116,13 +111,8 @@ def test_mooncake_legs_are_both_aborted_before_decodes_first_byte(sim, proxy) ->
     px = proxy({"settings": {"connector": "mooncake"}, "instances": [
         {"role": "prefill", "url": p.url, "bootstrap_url": p.bootstrap_url},
         {"role": "decode", "url": d.url}]}, probes=True)
-    deadline = time.monotonic() + 5
-    while not px.services.pipeline.ready()[0] and time.monotonic() < deadline:
-        gevent.sleep(0.05)
+    eventually(lambda: px.services.pipeline.ready()[0], interval=0.05)
     seconds = _leave_and_time(px, CHAT, p)
     _report("mooncake, prefill and decode at once (3 s)", seconds)
     assert seconds < CLOSE_WITHIN
-    deadline = time.monotonic() + 2
-    while d.state.stats()["in_flight"] and time.monotonic() < deadline:
-        gevent.sleep(0.01)
-    assert d.state.stats()["in_flight"] == 0
+    assert eventually(lambda: d.state.stats()["in_flight"] == 0, 2)

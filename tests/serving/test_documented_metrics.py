@@ -20,7 +20,7 @@ import yaml
 
 from tests.bodies import chat, image
 from tests.helpers import RawStream, Samples, eventually, scrape
-from tests.unit.test_kvaware import Publisher
+from tests.unit.test_kvaware import Publisher, publish_until_ready
 
 README = Path(__file__).parents[2] / "README.md"
 KEY = "metrics-admin-key"
@@ -119,19 +119,14 @@ def test_every_documented_metric_moves(sim, proxy, tmp_path: Path) -> None:
     assert ended.get(timeout=10) == 2
     for s in streams:
         s.hang_up()
-    with gevent.Timeout(5):
-        while px.services.inflight.count:
-            gevent.sleep(0.01)
+    eventually(lambda: not px.services.inflight.count, what="both streams' slots freed")
     step()
     # KV-cache events: a subscriber per instance with an endpoint, sent until it hears.
     assert px.services.kv_events is not None
     px.services.kv_events.sync()
     try:
         assert eventually(lambda: px.services.kv_events.readers[p.url].connected)
-        for n in range(50):
-            events.store([n] * 64)
-            if eventually(lambda: px.services.kv_events.picture(p.url) is not None, 0.1):
-                break
+        publish_until_ready(px.services.kv_events, events, p.url, [0] * 64)
     finally:
         px.services.kv_events.stop()
         events.close()

@@ -11,7 +11,7 @@ import pytest
 import requests
 
 from tests.bodies import chat
-from tests.helpers import pd_roster
+from tests.helpers import eventually, pd_roster
 
 CHAT = chat(max_tokens=6, temperature=0)
 
@@ -70,9 +70,7 @@ def test_a_decode_dying_before_its_answer_is_replaced_unseen(sim, proxy) -> None
     p, slow, other = sim("prefill"), sim("decode", ttft=5.0), sim("decode")
     px = proxy(pd_roster([p], [slow, other], decode_retries=1))
     pending = gevent.spawn(post, px)
-    with gevent.Timeout(5):
-        while slow.state.stats()["in_flight"] == 0:
-            gevent.sleep(0.01)
+    eventually(lambda: slow.state.stats()["in_flight"], what="the slow decode's request")
     slow.stop()
     r = pending.get(timeout=10)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]

@@ -13,7 +13,7 @@ import requests
 
 from tests.bodies import completion, conversation
 from tests.helpers import eventually, scrape
-from tests.unit.test_kvaware import Publisher
+from tests.unit.test_kvaware import Publisher, publish_until_ready
 
 PROMPT = list(range(2000, 2000 + 40))  # ten blocks of the test engine's 4 tokens
 
@@ -64,12 +64,8 @@ def test_kv_aware_sends_a_prompt_where_the_events_say_it_is_cached(
         complete(px.url, PROMPT)  # no picture yet: the prefix choice
         first = served(prefills).index(1)
         holder = (first + 1) % 3  # another instance reports the prompt's first 8 blocks
-        for _ in range(50):
-            publishers[holder].engine.hashes.clear()
-            publishers[holder].store(PROMPT[:32])
-            if eventually(lambda: px.services.kv_events.picture(prefills[holder].url)
-                          is not None, 0.1):
-                break
+        publish_until_ready(px.services.kv_events, publishers[holder], prefills[holder].url,
+                            PROMPT[:32])
         before = decisions(px.url, "kvhit")
         for _ in range(3):
             complete(px.url, PROMPT)
@@ -89,11 +85,7 @@ def test_kv_aware_without_tokens_answers_from_the_prefix_choice(
     """A prompt the proxy cannot get tokens for (a batch here; a /tokenize that fails or is
     slow alike): the request is served where prefix would send it, never refused."""
     px, prefills = kv_fleet(sim, proxy, publishers, n=2)
-    for _ in range(50):
-        publishers[0].engine.hashes.clear()
-        publishers[0].store(PROMPT)
-        if eventually(lambda: px.services.kv_events.picture(prefills[0].url) is not None, 0.1):
-            break
+    publish_until_ready(px.services.kv_events, publishers[0], prefills[0].url, PROMPT)
     with caplog.at_level(logging.INFO, logger="epd_flask.requests"):
         complete(px.url, ["first prompt of a batch", "second"])
     line = next(r.getMessage() for r in caplog.records if r.name == "epd_flask.requests")

@@ -3,7 +3,6 @@ different model names, a LoRA adapter loaded and unloaded at run time, through r
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import gevent
@@ -13,7 +12,6 @@ from tests.fakes import response
 from tests.helpers import eventually, scrape, total
 
 PROBE = 0.05
-WAIT = 5.0
 
 
 def chat(model: str | None, **extra: Any) -> dict[str, Any]:
@@ -29,10 +27,6 @@ def roster(pairs: list[tuple[Any, Any]], **settings: Any) -> dict[str, Any]:
     instances += [{"role": "decode", "url": d.url} for _, d in pairs]
     settings = {"probe_interval": PROBE, "fail_threshold": 2, **settings}
     return {"settings": settings, "instances": instances}
-
-
-def until(check: Callable[[], bool], what: str, timeout: float = WAIT) -> None:
-    assert eventually(check, timeout), f"timed out waiting for {what}"
 
 
 def listed(px: Any) -> dict[str, dict[str, Any]]:
@@ -58,9 +52,9 @@ def two_pairs(sim: Any, proxy: Any, **settings: Any) -> tuple[Any, ...]:
     p1, d1 = sim("prefill", model="alpha"), sim("decode", model="alpha")
     p2, d2 = sim("prefill", model="beta"), sim("decode", model="beta")
     px = proxy(roster([(p1, d1), (p2, d2)], **settings), probes=True)
-    until(lambda: all(knows(px, s, m) for s, m in ((p1, "alpha"), (d1, "alpha"),
-                                                    (p2, "beta"), (d2, "beta"))),
-          "every instance's models read")
+    eventually(lambda: all(knows(px, s, m) for s, m in ((p1, "alpha"), (d1, "alpha"),
+                                                         (p2, "beta"), (d2, "beta"))),
+               what="every instance's models read")
     return px, p1, d1, p2, d2
 
 
@@ -100,8 +94,8 @@ def test_models_lists_the_union_once_with_vllm_cards(sim, proxy) -> None:
     doc = roster([(p1, d1), (p2, d2)])
     doc["instances"].append({"role": "decode", "url": d3.url})
     px = proxy(doc, probes=True)
-    until(lambda: knows(px, d3, "beta") and set(listed(px)) == {"alpha", "beta"},
-          "both models discovered")
+    eventually(lambda: knows(px, d3, "beta") and set(listed(px)) == {"alpha", "beta"},
+               what="both models discovered")
     doc = requests.get(px.url + "/v1/models", timeout=5).json()
     assert doc["object"] == "list"
     assert sorted(c["id"] for c in doc["data"]) == ["alpha", "beta"]  # beta once, two decodes
@@ -125,8 +119,8 @@ def test_adapter_loaded_at_run_time_is_routed_only_where_it_is(sim, proxy) -> No
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     load(d1, "sql-lora", "/adapters/sql")
     load(p1, "sql-lora", "/adapters/sql")
-    until(lambda: knows(px, p1, "sql-lora") and "sql-lora" in listed(px),
-          "the adapter discovered on both")
+    eventually(lambda: knows(px, p1, "sql-lora") and "sql-lora" in listed(px),
+               what="the adapter discovered on both")
     card = listed(px)["sql-lora"]
     assert card["parent"] == "alpha" and card["root"] == "/adapters/sql"
     for stream in (False, True, False):
@@ -139,7 +133,7 @@ def test_adapter_loaded_at_run_time_is_routed_only_where_it_is(sim, proxy) -> No
     assert completions(p2, d2) == 0
     # Unloaded from decode: nobody serves it to clients any more, within one probe interval.
     unload(d1, "sql-lora")
-    until(lambda: "sql-lora" not in listed(px), "the adapter gone")
+    eventually(lambda: "sql-lora" not in listed(px), what="the adapter gone")
     before = completions(p1, d1, p2, d2)
     r = requests.post(px.url + "/v1/chat/completions", json=chat("sql-lora"), timeout=5)
     assert r.status_code == 404
@@ -149,7 +143,7 @@ def test_adapter_loaded_at_run_time_is_routed_only_where_it_is(sim, proxy) -> No
 def test_adapter_on_decode_but_on_no_prefill_is_503_for_prefill(sim, proxy) -> None:
     px, p1, d1, p2, d2 = two_pairs(sim, proxy)
     load(d2, "chat-lora")
-    until(lambda: "chat-lora" in listed(px), "the adapter discovered")
+    eventually(lambda: "chat-lora" in listed(px), what="the adapter discovered")
     r = requests.post(px.url + "/v1/chat/completions", json=chat("chat-lora"), timeout=5)
     assert r.status_code == 503, r.text
     err = r.json()["error"]
@@ -158,7 +152,7 @@ def test_adapter_on_decode_but_on_no_prefill_is_503_for_prefill(sim, proxy) -> N
     assert completions(p1, d1, p2, d2) == 0
     # The adapter's own base model is not enough: the KV must be computed with the adapter.
     load(p2, "chat-lora")
-    until(lambda: knows(px, p2, "chat-lora"), "prefill has it")
+    eventually(lambda: knows(px, p2, "chat-lora"), what="prefill has it")
     r = requests.post(px.url + "/v1/chat/completions", json=chat("chat-lora"), timeout=5)
     assert r.status_code == 200, r.text
     assert models_seen(p2, d2) == [{"chat-lora": 1}, {"chat-lora": 1}]
@@ -170,7 +164,7 @@ def test_prefill_must_run_the_adapter_on_the_decodes_base_model(sim, proxy) -> N
     # beta must not be prefilled on alpha, and vice versa.
     for server in (d1, d2, p2):
         load(server, "shared-lora")
-    until(lambda: all(knows(px, s, "shared-lora") for s in (d1, d2, p2)), "discovery")
+    eventually(lambda: all(knows(px, s, "shared-lora") for s in (d1, d2, p2)), what="discovery")
     codes = []
     for _ in range(4):
         r = requests.post(px.url + "/v1/chat/completions", json=chat("shared-lora"), timeout=5)
@@ -196,7 +190,7 @@ def test_unknown_model_is_404_without_calling_any_instance(sim, proxy) -> None:
 def test_model_served_only_by_evicted_instances_is_503(sim, proxy) -> None:
     px, _p1, _d1, p2, d2 = two_pairs(sim, proxy)
     d2.state.inject(health_fail=True)
-    until(lambda: not px.services.registry.get(d2.url).live, "beta's decode evicted")
+    eventually(lambda: not px.services.registry.get(d2.url).live, what="beta's decode evicted")
     r = requests.post(px.url + "/v1/chat/completions", json=chat("beta"), timeout=5)
     assert r.status_code == 503
     err = r.json()["error"]
@@ -206,7 +200,7 @@ def test_model_served_only_by_evicted_instances_is_503(sim, proxy) -> None:
     assert r.status_code == 200
     assert completions(p2, d2) == 0
     d2.state.inject(health_fail=False)
-    until(lambda: px.services.registry.get(d2.url).live, "beta's decode back")
+    eventually(lambda: px.services.registry.get(d2.url).live, what="beta's decode back")
     r = requests.post(px.url + "/v1/chat/completions", json=chat("beta"), timeout=5)
     assert r.status_code == 200
 
@@ -224,9 +218,9 @@ def test_missing_model_needs_exactly_one_model(sim, proxy) -> None:
 def test_missing_model_in_a_one_model_fleet_is_forwarded_unchanged(sim, proxy) -> None:
     p, d = sim("prefill", model="alpha"), sim("decode", model="alpha")
     px = proxy(roster([(p, d)]), probes=True)
-    until(lambda: "alpha" in listed(px), "discovery")
+    eventually(lambda: "alpha" in listed(px), what="discovery")
     load(d, "a-lora")  # an adapter does not make the fleet ambiguous: vLLM serves its base
-    until(lambda: "a-lora" in listed(px), "the adapter discovered")
+    eventually(lambda: "a-lora" in listed(px), what="the adapter discovered")
     r = requests.post(px.url + "/v1/chat/completions", json=chat(None), timeout=5)
     assert r.status_code == 200, r.text
     assert r.json()["model"] == "alpha"
@@ -260,7 +254,7 @@ def test_combined_fleet_routes_by_model(sim, proxy) -> None:
     doc = {"settings": {"probe_interval": PROBE},
            "instances": [{"role": "prefill_decode", "url": s.url} for s in (a, b)]}
     px = proxy(doc, probes=True)
-    until(lambda: set(listed(px)) == {"alpha", "beta"}, "discovery")
+    eventually(lambda: set(listed(px)) == {"alpha", "beta"}, what="discovery")
     for model in ("alpha", "beta", "beta"):
         r = requests.post(px.url + "/v1/completions",
                           json={"model": model, "prompt": "hi", "max_tokens": 2}, timeout=5)
@@ -323,12 +317,12 @@ def test_an_unreadable_model_list_keeps_the_last_known_one(fake, proxy) -> None:
     state = px.services.registry.get(d.url)
     # The probes' read, not the listing: until they have read it, /v1/models passes through
     # to the instance and would show "alpha" before the proxy knows it.
-    until(lambda: state.cards is not None, "discovery by the probes")
+    eventually(lambda: state.cards is not None, what="discovery by the probes")
     assert set(listed(px)) == {"alpha"}
     for bad in (b"boom", b"not json", b'{"data": [{"object": "model"}]}'):
         answers.append(bad)
         seen = model_reads(d)
-        until(lambda seen=seen: model_reads(d) > seen + 1, "two more reads")
+        eventually(lambda seen=seen: model_reads(d) > seen + 1, what="two more reads")
         assert state.models_error and set(listed(px)) == {"alpha"}
         assert state.live  # /health alone decides liveness
     r = requests.post(px.url + "/v1/completions", json={"model": "beta", "prompt": "x"},

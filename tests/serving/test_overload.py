@@ -9,7 +9,7 @@ import gevent
 import requests
 
 from tests.bodies import chat
-from tests.helpers import RawStream, pd_roster
+from tests.helpers import RawStream, eventually, pd_roster
 
 CHAT = chat(temperature=0)
 LONG = {**CHAT, "max_tokens": 400, "stream": True}
@@ -63,10 +63,7 @@ def test_past_the_cap_requests_get_503_with_retry_after_at_once(sim, proxy) -> N
     assert 'epd_requests_refused_total{reason="overloaded"}' in metrics
     # A client leaving frees its slot for the next request.
     streams[0].hang_up()
-    deadline = gevent.Timeout(5)
-    with deadline:
-        while px.services.inflight.count > 1:
-            gevent.sleep(0.01)
+    eventually(lambda: px.services.inflight.count <= 1, what="the left stream's slot freed")
     ok = requests.post(px.url + "/v1/chat/completions", json={**CHAT, "max_tokens": 4},
                        timeout=10)
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"]
@@ -113,9 +110,7 @@ def test_drain_lets_short_streams_finish_and_ends_long_ones_in_band(sim, proxy) 
     last = json.loads(long_events[-1][len(b"data: "):])
     assert last["error"]["code"] == "shutting_down"
     assert len(long_events) > 3  # it was streaming tokens until the grace period ran out
-    with gevent.Timeout(5):
-        while d.state.stats()["streams_aborted"] == 0:
-            gevent.sleep(0.01)
+    eventually(lambda: d.state.stats()["streams_aborted"], what="the long stream aborted")
     assert d.state.stats()["streams_completed"] == 1  # only the short one ran to its end
 
 
@@ -124,9 +119,7 @@ def test_drain_turns_a_request_still_waiting_for_prefill_into_a_503(sim, proxy) 
     px = proxy(pd_roster([p], [d]))
     waiting = gevent.spawn(requests.post, px.url + "/v1/chat/completions",
                            json={**CHAT, "max_tokens": 4}, timeout=20)
-    with gevent.Timeout(5):
-        while p.state.stats()["in_flight"] == 0:
-            gevent.sleep(0.01)
+    eventually(lambda: p.state.stats()["in_flight"], what="the request waiting for prefill")
     assert px.services.drain.run(0.2) == 1
     resp = waiting.get(timeout=5)
     assert resp.status_code == 503 and resp.json()["error"]["code"] == "shutting_down"

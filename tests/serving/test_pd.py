@@ -8,12 +8,11 @@ import re
 import socket
 import time
 
-import gevent
 import requests
 from gevent.pywsgi import WSGIServer
 
 from tests.bodies import chat, completion
-from tests.helpers import RawStream, pd_roster
+from tests.helpers import RawStream, eventually, pd_roster
 
 CHAT = chat(max_tokens=8, temperature=0)
 COMPLETION = completion(max_tokens=6)
@@ -293,9 +292,7 @@ def test_client_disconnect_aborts_the_decode_stream(sim, proxy) -> None:
     client.first_event()
     left_at = time.time()
     client.hang_up()
-    deadline = time.monotonic() + 3
-    while d.state.stats()["streams_aborted"] == 0 and time.monotonic() < deadline:
-        gevent.sleep(0.02)
+    eventually(lambda: d.state.stats()["streams_aborted"], 3)
     stats = d.state.stats()
     assert stats["streams_aborted"] == 1
     assert stats["last_abort_at"] - left_at < 1.0
@@ -358,17 +355,10 @@ def test_probes_evict_an_unhealthy_instance_and_readmit_it(sim, proxy) -> None:
     p, d1, d2 = sim("prefill"), sim("decode"), sim("decode")
     px = proxy(pd_roster([p], [d1, d2], probe_interval=0.05, fail_threshold=2), probes=True)
     d1.state.inject(health_fail=True)
-    deadline = time.monotonic() + 5
-    while d1.url in px.services.registry.snapshot()["decode"]["live"] \
-            and time.monotonic() < deadline:
-        gevent.sleep(0.02)
+    eventually(lambda: d1.url not in px.services.registry.snapshot()["decode"]["live"])
     assert px.services.registry.snapshot()["decode"]["evicted"] == [d1.url]
     for _ in range(3):
         assert requests.post(px.url + "/v1/completions", json=COMPLETION, timeout=10).ok
     assert d1.state.stats()["completions"] == 0
     d1.state.inject(health_fail=False)
-    deadline = time.monotonic() + 5
-    while d1.url not in px.services.registry.snapshot()["decode"]["live"] \
-            and time.monotonic() < deadline:
-        gevent.sleep(0.02)
-    assert d1.url in px.services.registry.snapshot()["decode"]["live"]
+    assert eventually(lambda: d1.url in px.services.registry.snapshot()["decode"]["live"])

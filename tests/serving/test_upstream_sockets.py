@@ -18,7 +18,7 @@ import pytest
 import requests
 
 from tests.bodies import chat_stream
-from tests.helpers import RawStream, pd_roster
+from tests.helpers import RawStream, eventually, pd_roster
 
 CHAT = chat_stream()
 STORM = 1000
@@ -101,9 +101,7 @@ def test_a_storm_of_abandoned_streams_returns_every_upstream_socket(sim, proxy) 
           f"{after} after {waited:.2f} s")
     assert peak > baseline  # the count does see the streams while they are open
     assert after == baseline
-    deadline = time.monotonic() + SETTLE_SECONDS
-    while d.state.stats()["streams_aborted"] < STORM and time.monotonic() < deadline:
-        gevent.sleep(0.05)
+    eventually(lambda: d.state.stats()["streams_aborted"] >= STORM, SETTLE_SECONDS, interval=0.05)
     stats = d.state.stats()
     assert stats["streams_aborted"] == STORM and stats["streams_completed"] == 0
 

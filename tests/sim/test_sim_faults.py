@@ -8,6 +8,7 @@ import requests
 
 from epd_flask.sim import SimConfig, SimServer
 from tests.bodies import chat, completion
+from tests.helpers import eventually
 from tests.sim.simclient import RawClient
 
 CHAT = chat(max_tokens=16)
@@ -66,7 +67,7 @@ def test_drop_after_cuts_the_stream_without_terminator(start_sim):
         client.close()
 
 
-def test_hang_next_holds_until_the_client_leaves(start_sim, wait_for):
+def test_hang_next_holds_until_the_client_leaves(start_sim):
     srv = start_sim(role="decode")
     srv.state.inject(hang_next=1)
     client = RawClient(srv.url, timeout=0.3)
@@ -76,7 +77,7 @@ def test_hang_next_holds_until_the_client_leaves(start_sim, wait_for):
     stats = srv.state.stats()
     assert stats["hung_injected"] == 1 and stats["in_flight"] == 1
     client.close()
-    assert wait_for(lambda: srv.state.stats()["in_flight"] == 0)
+    assert eventually(lambda: srv.state.stats()["in_flight"] == 0)
     assert srv.state.stats()["requests_aborted"] == 1
     assert _post(srv.url).status_code == 200
 
@@ -112,25 +113,25 @@ def test_live_config_changes_answers(start_sim):
     assert requests.get(srv.url + "/sim/config", timeout=5).json()["model"] == "other"
 
 
-def test_client_leaving_mid_stream_is_counted(start_sim, wait_for):
+def test_client_leaving_mid_stream_is_counted(start_sim):
     srv = start_sim(role="decode", token_delay=0.05, output_tokens=100)
     client = _open_stream(srv.url, {**COMPLETION, "max_tokens": 100})
     resp = client.read_head()
     assert client.next_frame(resp) is not None
     assert srv.state.stats()["streams_started"] == 1
     client.close()
-    assert wait_for(lambda: srv.state.stats()["streams_aborted"] == 1)
+    assert eventually(lambda: srv.state.stats()["streams_aborted"] == 1)
     stats = srv.state.stats()
     assert stats["in_flight"] == 0 and stats["streams_completed"] == 0
     assert stats["last_abort_at"] is not None
 
 
-def test_client_leaving_during_ttft_is_counted(start_sim, wait_for):
+def test_client_leaving_during_ttft_is_counted(start_sim):
     srv = start_sim(role="decode", ttft=30.0)
     client = _open_stream(srv.url, CHAT, "/v1/chat/completions")
-    assert wait_for(lambda: srv.state.stats()["streams_started"] == 1)
+    assert eventually(lambda: srv.state.stats()["streams_started"] == 1)
     client.close()
-    assert wait_for(lambda: srv.state.stats()["streams_aborted"] == 1)
+    assert eventually(lambda: srv.state.stats()["streams_aborted"] == 1)
 
 
 def test_tokens_arrive_one_by_one(start_sim):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -12,6 +11,7 @@ import pytest
 import requests
 
 from tests import bodies
+from tests.helpers import eventually
 from tests.sim.simclient import RawClient, load_sample, samples_available, shape, sse_events
 
 PROMPT = ("the quick brown fox jumps over the lazy dog and then tells me a story about cats "
@@ -171,7 +171,7 @@ def test_prompt_details_stay_null_without_the_flag(start_sim):
     assert second["usage"]["prompt_tokens_details"] is None
 
 
-def test_incomplete_handle_hangs_then_kills_the_engine(start_sim, wait_for):
+def test_incomplete_handle_hangs_then_kills_the_engine(start_sim):
     d = start_sim(role="decode")
     bogus = {"do_remote_decode": False, "do_remote_prefill": True, "remote_engine_id": "nope",
              "remote_block_ids": [0, 1], "remote_host": "127.0.0.1", "remote_port": 1,
@@ -184,7 +184,7 @@ def test_incomplete_handle_hangs_then_kills_the_engine(start_sim, wait_for):
     assert d.state.stats()["kv_handles_incomplete"] == 1
     assert requests.get(d.url + "/health", timeout=5).status_code == 200
     client.close()
-    assert wait_for(lambda: requests.get(d.url + "/health", timeout=5).status_code == 503)
+    assert eventually(lambda: requests.get(d.url + "/health", timeout=5).status_code == 503)
     dead = _decode(d.url, None)
     assert dead.status_code == 500 and dead.json()["error"]["code"] == 500
     d.state.reset()
@@ -287,9 +287,7 @@ def test_mooncake_transfer_id_shared_by_two_prompts_crosses_answers(start_sim):
                           timeout=5).json()["choices"][0]["text"]
     prefills = [gevent.spawn(_prefill, p.url, prompt=prompt, kv_transfer_params=prefill_params)
                 for prompt in (PROMPT, "other")]
-    deadline = time.monotonic() + 5
-    while p.state.stats()["in_flight"] < 2 and time.monotonic() < deadline:
-        gevent.sleep(0.01)
+    eventually(lambda: p.state.stats()["in_flight"] >= 2, what="both prefills in flight")
     crossed = decode(PROMPT)
     gevent.joinall(prefills, raise_error=True)
     assert crossed == alone  # the KV it pulled was the other prompt's

@@ -110,12 +110,12 @@ def publish_until_ready(kv: KVEvents, pub: Publisher, url: str, tokens: list[int
     def seen() -> bool:
         picture = kv.picture(url)
         return picture is not None and len(picture) > 0
-    for _ in range(50):
+
+    def sent_and_seen() -> bool:
         pub.engine.hashes.clear()
         pub.store(tokens)
-        if eventually(seen, 0.1):
-            return
-    raise AssertionError("the reader never heard the publisher")
+        return eventually(seen, 0.1)
+    eventually(sent_and_seen, interval=0, what="the reader hearing the publisher")
 
 
 def matched(kv: KVEvents, url: str, tokens: list[int]) -> int:

@@ -6,11 +6,11 @@ from __future__ import annotations
 import socket
 from collections.abc import Iterator
 
-import gevent
 import pytest
 import urllib3.connection
 
 from epd_flask.upstream.pools import ReplayingHTTPConnection
+from tests.helpers import eventually
 
 
 @pytest.fixture
@@ -53,10 +53,7 @@ def test_a_connection_the_server_closed_or_wrote_to_is_not_reused(pair, server_d
     else:
         server.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
         server.close()
-    for _ in range(50):  # bounded: the FIN/RST/bytes reach us within a few loop turns
-        if not conn.is_connected:
-            break
-        gevent.sleep(0.01)
+    eventually(lambda: not conn.is_connected, interval=0.01)  # the FIN/RST/bytes to arrive
     assert conn.is_connected is False
     assert _urllib3_says(conn) is False
 

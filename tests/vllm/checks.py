@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +14,7 @@ import gevent
 import requests
 
 from tests.bodies import chat, completion
+from tests.helpers import eventually
 from tests.vllm.fleet import MODEL_NAME, VllmServer
 
 #: Real servers on a shared 2-core machine: generous, but every call ends.
@@ -111,13 +111,14 @@ def kv_delta(server: VllmServer, before: dict[str, float], prompt_tokens: int,
              *names: str) -> Pulled:
     """Counter changes since ``before``, once the server has accounted for ``prompt_tokens``
     (its counters trail the response by a scheduler step)."""
-    deadline = time.monotonic() + METRICS_SETTLE_SECONDS
-    while True:
+    after: dict[str, float] = {}
+
+    def accounted() -> bool:
+        nonlocal after
         after = server.metrics()
-        seen = sum(after.get(k, 0) - before.get(k, 0) for k in (EXTERNAL, LOCAL, CACHED))
-        if seen >= prompt_tokens or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+        return sum(after.get(k, 0) - before.get(k, 0)
+                   for k in (EXTERNAL, LOCAL, CACHED)) >= prompt_tokens
+    eventually(accounted, METRICS_SETTLE_SECONDS, interval=0.2)
     return Pulled(
         external=after.get(EXTERNAL, 0) - before.get(EXTERNAL, 0),
         local=after.get(LOCAL, 0) - before.get(LOCAL, 0),

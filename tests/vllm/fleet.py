@@ -27,6 +27,7 @@ from typing import Any
 import requests
 import yaml
 
+from tests.helpers import eventually
 from tests.vllm.reap import group_alive
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -112,28 +113,24 @@ def stop_group(pgid: int) -> None:
     if not group_alive(pgid):
         return
     os.killpg(pgid, signal.SIGTERM)
-    deadline = time.monotonic() + STOP_GRACE_SECONDS
-    while time.monotonic() < deadline:
+
+    def gone() -> bool:
         with contextlib.suppress(ChildProcessError):  # reap our child so the group can empty
             os.waitpid(pgid, os.WNOHANG)
-        if not group_alive(pgid):
-            return
-        time.sleep(POLL_SECONDS)
-    os.killpg(pgid, signal.SIGKILL)
+        return not group_alive(pgid)
+    if not eventually(gone, STOP_GRACE_SECONDS, interval=POLL_SECONDS):
+        os.killpg(pgid, signal.SIGKILL)
 
 
 def wait_healthy(procs: list[Process], seconds: float, path: str = "/health") -> None:
-    deadline = time.monotonic() + seconds
     pending = list(procs)
-    while pending:
-        pending = [p for p in pending if not p.poll_healthy(path)]
-        if not pending:
-            return
-        if time.monotonic() > deadline:
-            names = ", ".join(p.name for p in pending)
-            raise RuntimeError(f"not healthy after {seconds:.0f} s: {names}\n"
-                               + "\n".join(p.tail(1500) for p in pending))
-        time.sleep(POLL_SECONDS)
+
+    def healthy() -> bool:
+        pending[:] = [p for p in pending if not p.poll_healthy(path)]
+        return not pending
+    eventually(healthy, seconds, interval=POLL_SECONDS,
+               what=lambda: "healthy: " + ", ".join(p.name for p in pending) + "\n"
+               + "\n".join(p.tail(1500) for p in pending))
 
 
 @dataclass

@@ -9,8 +9,11 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
 from pathlib import Path
+
+if not __package__:  # run as a script (the Makefile's trap): the tests package is the root's
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.helpers import eventually
 
 GRACE_SECONDS = 30.0
 POLL_SECONDS = 0.5
@@ -38,9 +41,8 @@ def reap(run_dir: Path) -> list[str]:
         if group_alive(pgid):
             os.killpg(pgid, signal.SIGTERM)
             stopped.append(f"{groups[pgid].stem} (group {pgid})")
-    deadline = time.monotonic() + GRACE_SECONDS
-    while any(group_alive(g) for g in groups) and time.monotonic() < deadline:
-        time.sleep(POLL_SECONDS)
+    eventually(lambda: not any(group_alive(g) for g in groups), GRACE_SECONDS,
+               interval=POLL_SECONDS)
     for pgid, pid_file in groups.items():
         if group_alive(pgid):
             os.killpg(pgid, signal.SIGKILL)

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import scrape
+from tests.helpers import eventually, scrape
 from tests.vllm.checks import CACHED, EXTERNAL, LOCAL, METRICS_SETTLE_SECONDS, post
 from tests.vllm.fleet import MODEL_NAME, VllmServer
 
@@ -49,16 +49,16 @@ def settled(prefills: list[VllmServer], before: dict[str, dict[str, float]],
             prompt_tokens: int) -> dict[str, tuple[float, float]]:
     """Per prefill, (prompt tokens accounted, of which served from its cache) since
     ``before``, once one of them has accounted for the request (counters trail answers)."""
-    deadline = time.monotonic() + METRICS_SETTLE_SECONDS
-    while True:
-        out = {}
+    out: dict[str, tuple[float, float]] = {}
+
+    def accounted() -> bool:
         for p in prefills:
             now, then = p.metrics(), before[p.url]
             seen = sum(now.get(k, 0) - then.get(k, 0) for k in (EXTERNAL, LOCAL, CACHED))
             out[p.url] = (seen, now.get(CACHED, 0) - then.get(CACHED, 0))
-        if any(seen >= prompt_tokens for seen, _ in out.values()) \
-                or time.monotonic() > deadline:
-            return out
+        return any(seen >= prompt_tokens for seen, _ in out.values())
+    eventually(accounted, METRICS_SETTLE_SECONDS, interval=0)
+    return out
 
 
 def prefills_of(fleet: Any) -> list[VllmServer]:

@@ -10,6 +10,8 @@ from types import SimpleNamespace
 import pytest
 import requests
 
+from tests.bodies import completion
+from tests.helpers import eventually
 from tests.vllm.checks import kv_delta, post, unique_prompt
 from tests.vllm.fleet import LORA_NAME, MODEL_NAME, MODELS, SECOND_MODEL, VllmServer
 
@@ -43,13 +45,15 @@ def listed(two) -> dict[str, dict]:
 
 
 def wait_listed(two, check, what: str) -> dict[str, dict]:
-    deadline = time.monotonic() + DISCOVERY_SECONDS
-    while True:
+    cards: dict[str, dict] = {}
+
+    def shown() -> bool:
+        nonlocal cards
         cards = listed(two)
-        if check(set(cards)):
-            return cards
-        assert time.monotonic() < deadline, f"{what}: the proxy lists {sorted(cards)}"
-        time.sleep(0.2)
+        return check(set(cards))
+    eventually(shown, DISCOVERY_SECONDS, interval=0.2,
+               what=lambda: f"{what}: the proxy lists {sorted(cards)}")
+    return cards
 
 
 def successes(*servers: VllmServer) -> list[float]:
@@ -57,7 +61,7 @@ def successes(*servers: VllmServer) -> list[float]:
 
 
 def body(model: str, tag: str) -> dict:
-    return {"model": model, "prompt": unique_prompt(tag), "max_tokens": 8, "temperature": 0}
+    return completion(unique_prompt(tag), model=model, max_tokens=8, temperature=0)
 
 
 def test_models_are_the_union_of_both_decodes_cards(two):
