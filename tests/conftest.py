@@ -26,7 +26,7 @@ from epd_flask.control.config import ProxyConfig
 from epd_flask.control.roster import parse
 from epd_flask.observe import metrics
 from epd_flask.sim import SimConfig, SimServer
-from tests.fakes import FakeUpstream, Handler
+from tests.fakes import FakeUpstream, Handler, upstreams
 from tests.helpers import NoDelayHandler
 
 
@@ -61,16 +61,8 @@ def sim() -> Iterator[Callable[..., SimServer]]:
 @pytest.fixture
 def fake() -> Iterator[Callable[[Handler], FakeUpstream]]:
     """Start a hand-written upstream: ``fake(handler)`` (see ``tests/fakes.py``)."""
-    started: list[FakeUpstream] = []
-
-    def start(handler: Handler) -> FakeUpstream:
-        server = FakeUpstream(handler)
-        started.append(server)
-        return server
-
-    yield start
-    for server in started:
-        server.stop()
+    with upstreams() as start:
+        yield start
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
@@ -17,66 +17,8 @@ import gevent
 from gevent.pywsgi import WSGIHandler
 
 T = TypeVar("T")
-#: A raw-socket peer's behaviour on one accepted connection (``raw_servers``).
-Handler = Callable[[socket.socket], None]
 #: How long a test waits for something the proxy does in the background (probes, aborts).
 EVENTUALLY = 5.0
-
-
-@contextlib.contextmanager
-def raw_servers() -> Iterator[Callable[[Handler], tuple[str, list[socket.socket]]]]:
-    """``start(handler)``: a loopback listener running ``handler`` on each connection (closed
-    when it returns); gives its URL and the connections it accepted. Stopped on exit: for
-    upstream peers that misbehave in ways no HTTP server library would."""
-    listeners: list[socket.socket] = []
-    greenlets: list[gevent.Greenlet] = []
-
-    def start(handler: Handler) -> tuple[str, list[socket.socket]]:
-        listener = socket.socket()
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(16)
-        listeners.append(listener)
-        accepted: list[socket.socket] = []
-
-        def serve() -> None:
-            while True:
-                conn, _ = listener.accept()
-                accepted.append(conn)
-                greenlets.append(gevent.spawn(_run, handler, conn))
-
-        greenlets.append(gevent.spawn(serve))
-        return f"http://127.0.0.1:{listener.getsockname()[1]}", accepted
-
-    try:
-        yield start
-    finally:
-        gevent.killall(greenlets, timeout=1)
-        for listener in listeners:
-            listener.close()
-
-
-def _run(handler: Handler, conn: socket.socket) -> None:
-    try:
-        handler(conn)
-    finally:
-        conn.close()
-
-
-def read_request(conn: socket.socket) -> bytes:
-    """One request: its head and the body its Content-Length names; what arrived before the
-    peer closed if it closed first."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        part = conn.recv(65536)
-        if not part:
-            return data
-        data += part
-    head, _, body = data.partition(b"\r\n\r\n")
-    for line in head.split(b"\r\n"):
-        if line.lower().startswith(b"content-length:"):
-            while len(body) < int(line.split(b":")[1]):
-                body += conn.recv(65536)
-    return head + b"\r\n\r\n" + body
 
 
 def pd_roster(prefills: list[Any], decodes: list[Any], **settings: Any) -> dict[str, Any]:

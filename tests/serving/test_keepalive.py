@@ -15,11 +15,11 @@ import time
 import gevent
 import pytest
 import requests
-from gevent.server import StreamServer
 
 from epd_flask.core import errors
 from epd_flask.upstream.transport import Transport
 from tests.bodies import completion
+from tests.fakes import Handler, response
 from tests.helpers import pd_roster
 
 COMPLETION = completion(max_tokens=4)
@@ -82,49 +82,19 @@ def test_misconfigured_idle_above_the_backends_still_has_no_failures(sim, proxy)
     assert seen["retired"] == 0
 
 
-class FlakyKeepAlive:
-    """A raw HTTP/1.1 server that answers the first request on each connection and closes
-    the connection, without a byte of answer, when a second one arrives on it: the keep-alive
-    race made deterministic. ``close_first`` also drops the very first request."""
+def flaky_keepalive(close_first: bool = False) -> Handler:
+    """Answers the first request on each connection and closes the connection, without a
+    byte of answer, when a second one arrives on it: the keep-alive race made deterministic.
+    ``close_first`` also drops the very first request."""
+    answered: set[socket.socket] = set()
 
-    def __init__(self, close_first: bool = False) -> None:
-        self.close_first = close_first
-        self.connections = 0
-        self.requests = 0
-        self.server = StreamServer(("127.0.0.1", 0), self._handle)
-        self.server.start()
-        self.url = f"http://127.0.0.1:{self.server.server_port}"
-
-    def _handle(self, sock: socket.socket, _addr) -> None:
-        self.connections += 1
-        rfile = sock.makefile("rb")
-        served = 0
-        try:
-            while True:
-                head = b""
-                while not head.endswith(b"\r\n\r\n"):
-                    line = rfile.readline()
-                    if not line:
-                        return
-                    head += line
-                length = 0
-                for line in head.split(b"\r\n"):
-                    if line.lower().startswith(b"content-length:"):
-                        length = int(line.split(b":", 1)[1])
-                rfile.read(length)
-                self.requests += 1
-                if served or self.close_first:
-                    return
-                body = b'{"ok": true}'
-                sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-                served += 1
-        finally:
-            rfile.close()
-            sock.close()
-
-    def stop(self) -> None:
-        self.server.stop(timeout=1)
+    def handle(conn: socket.socket, _request: bytes) -> None:
+        if close_first or conn in answered:
+            conn.close()
+            return
+        answered.add(conn)
+        conn.sendall(response(body=b'{"ok": true}'))
+    return handle
 
 
 def send(transport: Transport, url: str) -> int:
@@ -135,46 +105,43 @@ def send(transport: Transport, url: str) -> int:
     return resp.status_code
 
 
-def test_a_reused_connection_closed_before_answering_is_replayed_once() -> None:
-    backend = FlakyKeepAlive()
+def test_a_reused_connection_closed_before_answering_is_replayed_once(fake) -> None:
+    backend = fake(flaky_keepalive())
     transport = Transport(idle_timeout=60)
     try:
         assert send(transport, backend.url) == 200
         assert send(transport, backend.url) == 200  # dies on the reused socket, replayed
-        assert (backend.connections, backend.requests) == (2, 3)
+        assert (len(backend.connections), len(backend.requests)) == (2, 3)
         assert transport.lifecycle.replayed == 1
     finally:
         transport.close()
-        backend.stop()
 
 
-def test_a_fresh_connection_closed_before_answering_is_not_replayed() -> None:
-    backend = FlakyKeepAlive(close_first=True)
+def test_a_fresh_connection_closed_before_answering_is_not_replayed(fake) -> None:
+    backend = fake(flaky_keepalive(close_first=True))
     transport = Transport(idle_timeout=60)
     try:
         with pytest.raises(errors.BackendUnavailable) as info:
             send(transport, backend.url)
         assert "decode instance" in info.value.message
-        assert (backend.connections, backend.requests) == (1, 1)
+        assert (len(backend.connections), len(backend.requests)) == (1, 1)
         assert transport.lifecycle.replayed == 0
     finally:
         transport.close()
-        backend.stop()
 
 
-def test_idle_connections_are_swept_and_never_reused_past_the_limit() -> None:
-    backend = FlakyKeepAlive()
+def test_idle_connections_are_swept_and_never_reused_past_the_limit(fake) -> None:
+    backend = fake(flaky_keepalive())
     transport = Transport(idle_timeout=0.2)
     try:
         assert send(transport, backend.url) == 200
         time.sleep(0.25)
         assert transport.sweep() == 1
         assert send(transport, backend.url) == 200  # a new connection, so nothing to replay
-        assert (backend.connections, backend.requests) == (2, 2)
+        assert (len(backend.connections), len(backend.requests)) == (2, 2)
         assert transport.lifecycle.replayed == 0
     finally:
         transport.close()
-        backend.stop()
 
 
 def test_no_keepalive_mode_opens_one_connection_per_request(sim) -> None:

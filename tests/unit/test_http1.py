@@ -15,21 +15,21 @@ import pytest
 from epd_flask import __version__
 from epd_flask.core import errors
 from epd_flask.upstream.transport import Transport
-from tests.helpers import Handler, raw_servers, read_request
+from tests.fakes import ConnectionHandler, read_request, upstreams
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 2\r\n\r\nok"
 
 
 @pytest.fixture
-def server() -> Iterator[Callable[[Handler], tuple[str, list[socket.socket]]]]:
+def server() -> Iterator[Callable[[ConnectionHandler], tuple[str, list[socket.socket]]]]:
     """``server(handler)``: a loopback listener running ``handler`` on each connection; gives
     its URL and the list of connections it accepted."""
-    with raw_servers() as start:
-        yield start
+    with upstreams() as start:
+        yield lambda handler: ((up := start(raw=handler)).url, up.connections)
 
 
 def answering(*answers: bytes, then_wait: float = 1.0,
-              seen: list[bytes] | None = None) -> Handler:
+              seen: list[bytes] | None = None) -> ConnectionHandler:
     """Answers the n-th request on a connection with ``answers[n]``."""
     def handle(conn: socket.socket) -> None:
         for raw in answers:
@@ -104,7 +104,7 @@ def _reset(conn: socket.socket) -> None:
      errors.BackendError, "answered 101 Switching Protocols to a request that asked for no "
                           "upgrade"),
 ], ids=["not http", "closed without answering", "closed mid-head", "reset", "101"])
-def test_each_failure_keeps_its_class_and_message(server, handler: Handler,
+def test_each_failure_keeps_its_class_and_message(server, handler: ConnectionHandler,
                                                   kind: type, words: str) -> None:
     url, _ = server(handler)
     transport = Transport()
@@ -230,7 +230,7 @@ def test_the_host_header_as_http_client_wrote_it(url: str, host: str) -> None:
 
 # -- the wait for each read -----------------------------------------------------------------
 
-def trickle(events: int, gap: float) -> Handler:
+def trickle(events: int, gap: float) -> ConnectionHandler:
     """A chunked answer, one piece every ``gap`` seconds, as decode's tokens."""
     def handle(conn: socket.socket) -> None:
         read_request(conn)

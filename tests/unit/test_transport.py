@@ -13,17 +13,18 @@ import pytest
 
 from epd_flask.core import errors
 from epd_flask.upstream.transport import Transport
-from tests.helpers import Handler, free_port, raw_servers, read_request
+from tests.fakes import ConnectionHandler, Handler, hints_then, read_request, response, upstreams
+from tests.helpers import free_port
 
 
 @pytest.fixture
-def server() -> Iterator[Callable[[Handler], str]]:
+def server() -> Iterator[Callable[[ConnectionHandler], str]]:
     """``server(handler)``: a listener on 127.0.0.1 whose every connection runs ``handler``."""
-    with raw_servers() as start:
-        yield lambda handler: start(handler)[0]
+    with upstreams() as start:
+        yield lambda handler: start(raw=handler).url
 
 
-def answer(raw: bytes, then_wait: float = 0.0) -> Handler:
+def answer(raw: bytes, then_wait: float = 0.0) -> ConnectionHandler:
     def handle(conn: socket.socket) -> None:
         read_request(conn)
         conn.sendall(raw)
@@ -181,7 +182,7 @@ BODY = (b"%x\r\n%s\r\n" % (len(EVENTS[0]), EVENTS[0])
 CHUNKED_HEAD = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
 
 
-def in_slices(raw: bytes, size: int, pause: float = 0.002) -> Handler:
+def in_slices(raw: bytes, size: int, pause: float = 0.002) -> ConnectionHandler:
     """Answers every request with ``raw``, written ``size`` bytes at a time."""
     def handle(conn: socket.socket) -> None:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -262,22 +263,12 @@ def test_a_large_body_arrives_whole(server) -> None:
 
 # -- interim (1xx) answers ------------------------------------------------------------------
 
-def interim_then_final(interim: bytes, pause: float = 0.05) -> tuple[Handler, list[int]]:
-    """Answers every request on a connection with ``interim``, then (``pause`` later, as a
-    server that hints early and answers when done) ``200 answer-<n>``; ``n`` counts requests
-    across connections, and the list counts connections."""
+def numbered(interim: bytes) -> Handler:
+    """Answers every request with ``interim``, then (as a server that hints early and answers
+    when done) ``200 answer-<n>``, ``n`` counting requests across connections."""
     count = iter(range(1, 1000))
-    connections: list[int] = []
-
-    def handle(conn: socket.socket) -> None:
-        connections.append(1)
-        while read_request(conn):
-            body = b"answer-%d" % next(count)
-            conn.sendall(interim)
-            gevent.sleep(pause)
-            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n"
-                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-    return handle, connections
+    return hints_then(interim, lambda _request: response(
+        body=b"answer-%d" % next(count), content_type="text/plain"), 0.05)
 
 
 EARLY_HINTS = b"HTTP/1.1 103 Early Hints\r\nLink: </style.css>; rel=preload\r\n\r\n"
@@ -289,29 +280,29 @@ EARLY_HINTS = b"HTTP/1.1 103 Early Hints\r\nLink: </style.css>; rel=preload\r\n\
     b"HTTP/1.1 100 Continue\r\n\r\n" + b"HTTP/1.1 102 Processing\r\n\r\n",
 ])
 def test_interim_answers_are_skipped_and_each_request_reads_its_own_answer(
-        server, interim: bytes) -> None:
-    handle, connections = interim_then_final(interim)
-    url = server(handle)
+        fake, interim: bytes) -> None:
+    upstream = fake(numbered(interim))
+    url = upstream.url
     transport = Transport()
     for n in (1, 2, 3):
         resp = send(transport, url)
         assert resp.status_code == 200
         assert transport.read_body(resp, "decode") == b"answer-%d" % n
-    assert len(connections) == 1  # each exchange ended cleanly, so the connection was reused
+    assert len(upstream.connections) == 1  # each exchange ended cleanly: the connection reused
     transport.close()
 
 
-def test_a_101_is_a_failed_exchange_and_its_connection_is_never_reused(server) -> None:
-    handle, connections = interim_then_final(
-        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n")
-    url = server(handle)
+def test_a_101_is_a_failed_exchange_and_its_connection_is_never_reused(fake) -> None:
+    upstream = fake(numbered(
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n"))
+    url = upstream.url
     transport = Transport()
     for n in (1, 2):
         with pytest.raises(errors.BackendError) as failed:
             send(transport, url)
         assert failed.value.status == 502 and not failed.value.retryable
         assert "101 Switching Protocols" in failed.value.message
-        assert len(connections) == n  # the next request never read this one's 200
+        assert len(upstream.connections) == n  # the next request never read this one's 200
     transport.close()
 
 
