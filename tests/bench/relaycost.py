@@ -40,6 +40,8 @@ LONG, SHORT = 200, 8
 
 
 class _Resp:
+    deadline = None  # no total timeout: the relay arms no timer
+
     def close(self) -> None:
         pass
 

@@ -5,6 +5,7 @@ The benchmarks themselves are not run here."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -180,3 +181,31 @@ def test_the_code_version_names_the_commit_and_changes_to_what_is_measured(
     assert report.code_version(tmp_path) == clean  # writing the page is not a code change
     (tmp_path / "epd_flask" / "a.py").write_text("x = 2\n")
     assert report.code_version(tmp_path) == clean + " with uncommitted changes"
+
+
+#: Each micro-benchmark as ``make bench-micro`` runs it, made small: it must still run against
+#: today's code (nothing else imports these scripts) and write its block.
+MICRO = {
+    "hotpath": ["-m", "gevent.monkey", "tests/bench/hotpath.py", "--multiprocess",
+                "--calls", "20", "--repeats", "1"],
+    "upstream-call": ["tests/bench/upstream_call.py", "--calls", "300", "--repeats", "1"],
+    "relaycost": ["-m", "gevent.monkey", "--module", "tests.bench.relaycost", "--repeats", "1",
+                  "--streams", "1", "--e2e-streams", "1"],
+    "kvpicture": ["-m", "tests.bench.kvpicture", "--blocks", "512"],
+    "fleetmodel-loaded": ["tests/bench/fleetmodel.py", "--seeds", "1", "--duration", "4"],
+}
+
+
+@pytest.mark.parametrize("label", sorted(MICRO))
+def test_each_micro_benchmark_runs_and_replaces_its_block(tmp_path: Path, label: str) -> None:
+    page = tmp_path / "benchmarks.md"
+    shutil.copyfile(report.PAGE, page)
+    before = page.read_text()
+    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    subprocess.run([sys.executable, *MICRO[label], "--report", str(page)], cwd=report.ROOT,
+                   env=env, check=True, capture_output=True, timeout=180)
+    after = page.read_text()
+    assert _outside(after) == _outside(before)
+    old, new = _blocks(before), _blocks(after)
+    assert {k for k in old if old[k] != new[k]} == {label}
+    assert "Command: `.venv/bin/python " in new[label] and "--report" not in new[label]
