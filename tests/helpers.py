@@ -21,12 +21,6 @@ T = TypeVar("T")
 EVENTUALLY = 5.0
 
 
-def pd_roster(prefills: list[Any], decodes: list[Any], **settings: Any) -> dict[str, Any]:
-    instances = [{"role": "prefill", "url": p.url} for p in prefills]
-    instances += [{"role": "decode", "url": d.url} for d in decodes]
-    return {"settings": settings, "instances": instances}
-
-
 def eventually(check: Callable[[], T], seconds: float = EVENTUALLY, *, interval: float = 0.02,
                what: str | Callable[[], str] = "",
                ignoring: tuple[type[Exception], ...] = ()) -> T:

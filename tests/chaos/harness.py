@@ -36,6 +36,7 @@ from epd_flask.core.errors import instance_label
 from tests.bodies import chat, completion, image, multimodal
 from tests.e2e.conftest import Process
 from tests.helpers import eventually, free_port
+from tests.rosters import instance
 
 CLIENT_TIMEOUT = 30.0
 HEALTH_WAIT = 15.0
@@ -115,7 +116,7 @@ class Fleet:
     def start_gateway(self, settings: dict[str, Any], env: dict[str, str]) -> Process:
         port = free_port()
         roster = {"settings": settings,
-                  "instances": [{"role": r, "url": u} for u, r in self.role_of.items()]}
+                  "instances": [instance(r, u) for u, r in self.role_of.items()]}
         roster_file = self.log_dir / "roster.yaml"
         roster_file.write_text(yaml.safe_dump(roster))
         self.gateway = Process(

@@ -14,6 +14,7 @@ import requests
 from tests.bodies import chat
 from tests.e2e.conftest import Process
 from tests.helpers import RawStream, eventually, free_port
+from tests.rosters import roster
 
 pytestmark = pytest.mark.e2e
 
@@ -33,8 +34,8 @@ def wait_ready(gw) -> None:
 
 def fleet(procs, connector: str, p_args: tuple[str, ...] = (), d_args: tuple[str, ...] = (),
           bootstrap_port: int | None = None, **settings):
-    prefill = {"role": "prefill"}
-    decode = {"role": "decode"}
+    prefill: dict[str, str] = {}  # the instances' fields beyond role and url
+    decode: dict[str, str] = {}
     if connector == "mooncake":
         bootstrap_port = bootstrap_port or free_port()
         p_args = (*p_args, "--bootstrap-port", str(bootstrap_port))
@@ -43,9 +44,8 @@ def fleet(procs, connector: str, p_args: tuple[str, ...] = (), d_args: tuple[str
         prefill["kv_zmq_addr"], decode["kv_zmq_addr"] = "127.0.0.1:21001", "127.0.0.1:22001"
     p = procs["sim"]("prefill", *p_args)
     d = procs["sim"]("decode", *d_args)
-    prefill["url"], decode["url"] = p.url, d.url
-    gw = procs["gunicorn"]({"settings": {"connector": connector, **settings},
-                            "instances": [prefill, decode]}, "-k", "gevent")
+    gw = procs["gunicorn"](roster([(p, prefill)], [(d, decode)], connector=connector,
+                                  **settings), "-k", "gevent")
     wait_ready(gw)
     return p, d, gw
 

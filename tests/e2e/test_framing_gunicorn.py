@@ -12,15 +12,11 @@ import pytest
 
 from tests.bodies import completion
 from tests.helpers import eventually
+from tests.rosters import roster
 
 pytestmark = pytest.mark.e2e
 
 BODY = json.dumps(completion(max_tokens=4)).encode()
-
-
-def roster(prefill, decode) -> dict:
-    return {"instances": [{"role": "prefill", "url": prefill.url},
-                          {"role": "decode", "url": decode.url}]}
 
 
 def exchange(url: str, head: bytes, body: bytes, half_close: bool = False) -> bytes:
@@ -59,7 +55,7 @@ def status_and_error(raw: bytes) -> tuple[int, dict]:
 
 def test_bad_chunk_sizes_and_short_bodies_are_400s(procs) -> None:
     p, d = procs["sim"]("prefill"), procs["sim"]("decode")
-    gw = procs["gunicorn"](roster(p, d), "-k", "gevent")
+    gw = procs["gunicorn"](roster([p], [d]), "-k", "gevent")
     host = urlsplit(gw.url).netloc.encode()
     chunked = (b"POST /v1/completions HTTP/1.1\r\nHost: " + host +
                b"\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n"

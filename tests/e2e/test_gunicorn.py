@@ -18,6 +18,7 @@ import yaml
 
 from tests.bodies import chat
 from tests.helpers import RawStream, eventually, free_port
+from tests.rosters import roster
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,15 +27,10 @@ pytestmark = pytest.mark.e2e
 CHAT = chat(temperature=0)
 
 
-def roster(prefill, decode, **settings) -> dict:
-    return {"settings": settings, "instances": [{"role": "prefill", "url": prefill.url},
-                                                {"role": "decode", "url": decode.url}]}
-
-
 def test_tokens_arrive_one_by_one_through_gunicorn(procs) -> None:
     p = procs["sim"]("prefill")
     d = procs["sim"]("decode", "--token-delay-ms", "50", "--output-tokens", "20")
-    gw = procs["gunicorn"](roster(p, d), "-k", "gevent")
+    gw = procs["gunicorn"](roster([p], [d]), "-k", "gevent")
     body = {**CHAT, "max_tokens": 20, "stream": True}
     arrivals: list[float] = []
     saw_running_decode = False
@@ -63,7 +59,7 @@ def test_tokens_arrive_one_by_one_through_gunicorn(procs) -> None:
 def test_client_disconnect_reaches_decode_through_gunicorn(procs) -> None:
     p = procs["sim"]("prefill")
     d = procs["sim"]("decode", "--token-delay-ms", "50", "--output-tokens", "400")
-    gw = procs["gunicorn"](roster(p, d), "-k", "gevent")
+    gw = procs["gunicorn"](roster([p], [d]), "-k", "gevent")
     client = RawStream(gw.url, "/v1/chat/completions", {**CHAT, "max_tokens": 400,
                                                         "stream": True})
     client.first_event()
@@ -86,7 +82,7 @@ def test_client_leaving_a_non_stream_request_aborts_decode_through_gunicorn(
     computes."""
     p = procs["sim"]("prefill")
     d = procs["sim"]("decode", "--ttft-ms", "5000")
-    gw = procs["gunicorn"](roster(p, d), *(("-k", worker) if worker else ()))
+    gw = procs["gunicorn"](roster([p], [d]), *(("-k", worker) if worker else ()))
     client = RawStream(gw.url, "/v1/chat/completions", {**CHAT, "max_tokens": 8})
     eventually(lambda: d.stats()["in_flight"])
     time.sleep(0.3)
@@ -103,7 +99,7 @@ def test_client_leaving_a_non_stream_request_aborts_decode_through_gunicorn(
 def test_decode_failures_through_gunicorn(procs) -> None:
     p = procs["sim"]("prefill")
     d = procs["sim"]("decode", "--output-tokens", "30")
-    gw = procs["gunicorn"](roster(p, d, decode_retries=1), "-k", "gevent")
+    gw = procs["gunicorn"](roster([p], [d], decode_retries=1), "-k", "gevent")
     d.control("faults", fail_next=1)
     ok = requests.post(gw.url + "/v1/chat/completions", json={**CHAT, "max_tokens": 5},
                        timeout=30)
@@ -125,7 +121,7 @@ def test_plain_gunicorn_command_runs_hooks_and_probes(procs) -> None:
     is found, workers start their probes, and a dead instance is evicted with no traffic."""
     p = procs["sim"]("prefill")
     d = procs["sim"]("decode")
-    doc = roster(p, d, probe_interval=0.2, fail_threshold=1)
+    doc = roster([p], [d], probe_interval=0.2, fail_threshold=1)
     doc["instances"].append({"role": "decode", "url": "http://127.0.0.1:9"})
     gw = procs["gunicorn"](doc, "-k", "gevent")
     evicted = eventually(lambda: requests.get(gw.url + "/health", timeout=5).json()[
@@ -140,7 +136,7 @@ def test_each_worker_freezes_what_it_loaded_at_start(procs) -> None:
     longer walks them (docs/benchmarks.md#what-bounds-the-make-bench-figures)."""
     p = procs["sim"]("prefill")
     d = procs["sim"]("decode")
-    gw = procs["gunicorn"](roster(p, d), "-k", "gevent", env={"EPD_DEBUG_ENDPOINTS": "1"})
+    gw = procs["gunicorn"](roster([p], [d]), "-k", "gevent", env={"EPD_DEBUG_ENDPOINTS": "1"})
     doc = requests.get(gw.url + "/debug/worker", timeout=5).json()
     assert doc["gc_frozen"] > 10_000
 
@@ -150,7 +146,7 @@ def test_the_repository_config_file_reexports_the_packaged_one(procs) -> None:
     configuration (settings and hooks), at start and again when SIGHUP re-reads it."""
     p = procs["sim"]("prefill")
     d = procs["sim"]("decode", "--output-tokens", "4")
-    gw = procs["gunicorn"](roster(p, d), "-c", "etc/gunicorn.conf.py")
+    gw = procs["gunicorn"](roster([p], [d]), "-c", "etc/gunicorn.conf.py")
     ok = requests.post(gw.url + "/v1/chat/completions", json={**CHAT, "max_tokens": 4},
                        timeout=30)
     assert ok.status_code == 200
@@ -242,7 +238,7 @@ def test_a_client_that_stops_reading_gets_the_whole_stream_after(procs) -> None:
     tokens = 2000
     p = procs["sim"]("prefill", "--max-model-len", "4096")
     d = procs["sim"]("decode", "--max-model-len", "4096", "--output-tokens", str(tokens))
-    gw = procs["gunicorn"](roster(p, d))
+    gw = procs["gunicorn"](roster([p], [d]))
     body = {**CHAT, "max_tokens": tokens, "stream": True, "logprobs": True, "top_logprobs": 20}
     reference = requests.post(gw.url + "/v1/chat/completions", json=body, timeout=30)
     sock = socket.socket()

@@ -15,7 +15,8 @@ import pytest
 import requests
 import yaml
 
-from tests.helpers import eventually, free_port, pd_roster
+from tests import rosters
+from tests.helpers import eventually, free_port
 
 pytestmark = [pytest.mark.e2e,
               pytest.mark.skipif(shutil.which("sh") is None, reason="no POSIX shell")]
@@ -47,7 +48,7 @@ def test_reloader_sidecar_reloads_gunicorn_on_roster_change(procs, tmp_path: Pat
     p, d1 = procs["sim"]("prefill"), procs["sim"]("decode")
     d2 = SimpleNamespace(url=f"http://127.0.0.1:{free_port()}")  # listed only, never called
     pidfile = tmp_path / "gunicorn.pid"
-    gw = procs["gunicorn"](pd_roster([p], [d1]), "--pid", str(pidfile))
+    gw = procs["gunicorn"](rosters.roster([p], [d1]), "--pid", str(pidfile))
     roster = next(tmp_path.glob("roster-*.yaml"))
     log = tmp_path / "reloader.log"
     env = {**os.environ, "ROSTER_FILE": str(roster), "PIDFILE": str(pidfile),
@@ -61,7 +62,7 @@ def test_reloader_sidecar_reloads_gunicorn_on_roster_change(procs, tmp_path: Pat
         old_workers = gw.workers()
         time.sleep(0.3)  # the reloader has read the starting roster
         changed_at = time.monotonic()
-        swap_in(roster, pd_roster([p], [d1, d2]))
+        swap_in(roster, rosters.roster([p], [d1, d2]))
         # Reloaded: the workers that served the old roster have all been replaced.
         assert eventually(lambda: not gw.workers() & old_workers, 15, interval=0.05)
         print(f"\nworkers replaced {(time.monotonic() - changed_at) * 1000:.0f} ms after the "

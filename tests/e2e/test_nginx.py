@@ -20,7 +20,8 @@ from tests.e2e.conftest import Launcher, Process
 from tests.e2e.edge import Nginx, nginx_binary
 from tests.e2e.load import Load, stream_chat
 from tests.e2e.test_stalled_readers import LONG_STREAM, WAIT, in_flight, read_rest, stall
-from tests.helpers import RawStream, eventually, free_port, pd_roster
+from tests.helpers import RawStream, eventually, free_port
+from tests.rosters import roster
 
 NGINX = nginx_binary()
 pytestmark = [
@@ -69,7 +70,7 @@ def decode(sims: tuple[Process, Process]) -> Iterator[Process]:
 def front(fleet: Launcher, sims: tuple[Process, Process],
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Nginx]:
     """nginx in front of one gunicorn (one worker), shared by the read-only tests."""
-    gw = fleet.gunicorn(pd_roster([sims[0]], [sims[1]]))
+    gw = fleet.gunicorn(roster([sims[0]], [sims[1]]))
     edge = Nginx(NGINX, tmp_path_factory.mktemp("nginx"), [gw.url.removeprefix("http://")])
     yield edge
     edge.stop()
@@ -83,7 +84,7 @@ def stack(tmp_path: Path, sims: tuple[Process, Process]) -> Iterator[dict[str, C
     edges: list[Nginx] = []
 
     def host(workers: int = 1) -> Process:
-        return launcher.gunicorn(pd_roster([sims[0]], [sims[1]]), workers=workers)
+        return launcher.gunicorn(roster([sims[0]], [sims[1]]), workers=workers)
 
     def nginx(urls: list[str]) -> Nginx:
         edges.append(Nginx(NGINX, tmp_path / f"nginx-{len(edges)}",

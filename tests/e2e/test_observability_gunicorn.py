@@ -14,16 +14,12 @@ import requests
 
 from tests.bodies import chat, completion
 from tests.helpers import eventually, sample, scrape, total
+from tests.rosters import roster
 
 pytestmark = pytest.mark.e2e
 
 CHAT = chat(max_tokens=10, temperature=0)
 COMPLETION = completion(max_tokens=6)
-
-
-def roster(prefill, decode, **settings) -> dict:
-    return {"settings": settings, "instances": [{"role": "prefill", "url": prefill.url},
-                                                {"role": "decode", "url": decode.url}]}
 
 
 def workers_serving(proc) -> set[str]:
@@ -57,7 +53,7 @@ def mixed_load(base: str) -> list[tuple[str, int]]:
 def test_one_scrape_sums_both_workers_and_counts_every_request_once(procs) -> None:
     p = procs["sim"]("prefill")
     d = procs["sim"]("decode", "--token-delay-ms", "10", "--output-tokens", "10")
-    gw = procs["gunicorn"](roster(p, d, decode_retries=0), workers=2,
+    gw = procs["gunicorn"](roster([p], [d], decode_retries=0), workers=2,
                            env={"EPD_LOG_FORMAT": "json"})
     # The fixture returns once one worker answers; a second still importing could take no
     # request of a short burst, and the sum across workers would not be tested.

@@ -7,6 +7,8 @@ import time
 
 import pytest
 
+from tests.rosters import roster
+
 pytestmark = pytest.mark.e2e
 
 INTERVAL = 0.1
@@ -16,8 +18,7 @@ WINDOW = 1.0
 def test_probes_per_instance_grow_with_workers(procs) -> None:
     one, three = procs["sim"]("decode"), procs["sim"]("decode")
     for sim, workers in ((one, 1), (three, 3)):
-        procs["gunicorn"]({"settings": {"probe_interval": INTERVAL},
-                           "instances": [{"role": "decode", "url": sim.url}]}, workers=workers)
+        procs["gunicorn"](roster(decodes=[sim], probe_interval=INTERVAL), workers=workers)
     before = one.stats()["health_checks"], three.stats()["health_checks"]
     time.sleep(WINDOW)
     after = one.stats()["health_checks"], three.stats()["health_checks"]

@@ -13,8 +13,9 @@ import pytest
 import requests
 
 from tests import prometheus as prom
+from tests import rosters
 from tests.bodies import chat, completion
-from tests.helpers import eventually, pd_roster
+from tests.helpers import eventually
 
 pytestmark = [
     pytest.mark.e2e,
@@ -41,7 +42,7 @@ def test_every_recording_rule_and_dashboard_query_has_data(procs, tmp_path: Path
     p = procs["sim"]("prefill")
     d1 = procs["sim"]("decode", "--token-delay-ms", "20", "--output-tokens", "8")
     d2 = procs["sim"]("decode", "--token-delay-ms", "20", "--output-tokens", "8")
-    roster = pd_roster([p], [d1, d2], decode_retries=1, probe_interval=1, fail_threshold=1)
+    roster = rosters.roster([p], [d1, d2], decode_retries=1, probe_interval=1, fail_threshold=1)
     gw = procs["gunicorn"](roster, workers=1, env={"EPD_MAX_IN_FLIGHT": "4"})
     server = prom.Prometheus(tmp_path / "prometheus", gw.url.removeprefix("http://"))
     try:

@@ -21,6 +21,7 @@ import yaml
 from epd_flask.core.errors import instance_label
 from tests.bodies import chat_stream
 from tests.helpers import eventually, sample, scrape
+from tests.rosters import roster
 
 pytestmark = pytest.mark.e2e
 
@@ -111,9 +112,8 @@ def log_lines(proc: Any, *words: str) -> list[tuple[float, int, str]]:
     return out
 
 
-def write_roster(path: Path, instances: list[dict[str, str]], **settings: Any) -> None:
-    path.write_text("# e2e roster\n" + yaml.safe_dump({"settings": settings,
-                                                      "instances": instances}))
+def write_roster(path: Path, doc: dict[str, Any]) -> None:
+    path.write_text("# e2e roster\n" + yaml.safe_dump(doc))
 
 
 def test_reload_under_stream_load(procs, tmp_path) -> None:
@@ -123,9 +123,7 @@ def test_reload_under_stream_load(procs, tmp_path) -> None:
     d1, d2, d3 = (procs["sim"]("decode", *DECODE_ARGS) for _ in range(3))
     roster_file = tmp_path / "roster.yaml"
     settings = {"probe_interval": 0.5, "fail_threshold": 2}
-    pre = {"role": "prefill", "url": p.url}
-    write_roster(roster_file, [pre, {"role": "decode", "url": d1.url},
-                               {"role": "decode", "url": d2.url}], **settings)
+    write_roster(roster_file, roster([p], [d1, d2], **settings))
     gw = procs["gunicorn"](None, roster_file=roster_file, workers=2)
     eventually(lambda: requests.get(gw.url + "/ready", timeout=5).ok, WAIT, what="ready")
     master = gw.proc.pid
@@ -149,9 +147,7 @@ def test_reload_under_stream_load(procs, tmp_path) -> None:
     time.sleep(0.5)
     # 1: add d3.
     longs = long_streams(2)
-    write_roster(roster_file, [pre, {"role": "decode", "url": d1.url},
-                               {"role": "decode", "url": d2.url},
-                               {"role": "decode", "url": d3.url}], **settings)
+    write_roster(roster_file, roster([p], [d1, d2, d3], **settings))
     hup1 = time.time()
     os.kill(master, signal.SIGHUP)
     first_d3 = eventually(lambda: completion_times(d3), WAIT,
@@ -159,8 +155,7 @@ def test_reload_under_stream_load(procs, tmp_path) -> None:
     gevent.joinall(longs, timeout=30)
     # 2: remove d1 while a long stream runs on it.
     longs = long_streams(2, on=d1)
-    write_roster(roster_file, [pre, {"role": "decode", "url": d2.url},
-                               {"role": "decode", "url": d3.url}], **settings)
+    write_roster(roster_file, roster([p], [d2, d3], **settings))
     hup2 = time.time()
     os.kill(master, signal.SIGHUP)
     gevent.joinall(longs, timeout=30)
@@ -217,10 +212,8 @@ def test_dead_decode_is_evicted_then_rejoins(procs, tmp_path) -> None:
     d1, d2 = procs["sim"]("decode", *DECODE_ARGS), procs["sim"]("decode", *DECODE_ARGS)
     interval, threshold = 0.5, 3
     roster_file = tmp_path / "roster.yaml"
-    write_roster(roster_file, [{"role": "prefill", "url": p.url},
-                               {"role": "decode", "url": d1.url},
-                               {"role": "decode", "url": d2.url}],
-                 probe_interval=interval, fail_threshold=threshold, decode_retries=1)
+    write_roster(roster_file, roster([p], [d1, d2], probe_interval=interval,
+                                     fail_threshold=threshold, decode_retries=1))
     gw = procs["gunicorn"](None, roster_file=roster_file, workers=2)
     eventually(lambda: requests.get(gw.url + "/ready", timeout=5).ok, WAIT, what="ready")
     load = Load(gw.url, clients=4)
@@ -271,8 +264,7 @@ def test_admin_registration_reaches_every_worker_and_survives_restart(procs, tmp
     p = procs["sim"]("prefill")
     d1, d2 = procs["sim"]("decode", *DECODE_ARGS), procs["sim"]("decode", *DECODE_ARGS)
     roster_file = tmp_path / "roster.yaml"
-    write_roster(roster_file, [{"role": "prefill", "url": p.url},
-                               {"role": "decode", "url": d1.url}], probe_interval=0.5)
+    write_roster(roster_file, roster([p], [d1], probe_interval=0.5))
     env = {"ADMIN_API_KEY": KEY}
     gw = procs["gunicorn"](None, roster_file=roster_file, workers=2, env=env)
     auth = {"X-API-Key": KEY}
@@ -330,8 +322,7 @@ def test_an_edit_applies_while_an_earlier_reload_still_drains(procs, tmp_path) -
                       "--record-limit", "5000")
     d2 = procs["sim"]("decode", *DECODE_ARGS)
     roster_file = tmp_path / "roster.yaml"
-    pre, first = {"role": "prefill", "url": p.url}, {"role": "decode", "url": d1.url}
-    write_roster(roster_file, [pre, first], probe_interval=0.5)
+    write_roster(roster_file, roster([p], [d1], probe_interval=0.5))
     gw = procs["gunicorn"](None, roster_file=roster_file, workers=2)
     eventually(lambda: requests.get(gw.url + "/ready", timeout=5).ok, WAIT, what="ready")
     long_done: list[float] = []
@@ -350,8 +341,7 @@ def test_an_edit_applies_while_an_earlier_reload_still_drains(procs, tmp_path) -
     eventually(lambda: len(log_lines(gw, "inherited the health")) >= 2, 30,
                what="the workers of the first reload")
     assert d1.stats()["in_flight"] > 0, "the long stream ended before the new workers booted"
-    write_roster(roster_file, [pre, first, {"role": "decode", "url": d2.url}],
-                 probe_interval=0.5)
+    write_roster(roster_file, roster([p], [d1, d2], probe_interval=0.5))
     hup2 = time.time()
     os.kill(gw.proc.pid, signal.SIGHUP)
     with requests.Session() as s:
@@ -379,13 +369,12 @@ def test_new_workers_inherit_a_reload_the_master_could_not_publish(procs, tmp_pa
     p = procs["sim"]("prefill")
     d1, d2 = procs["sim"]("decode"), procs["sim"]("decode")
     roster_file = tmp_path / "roster.yaml"
-    pre = {"role": "prefill", "url": p.url}
-    write_roster(roster_file, [pre, {"role": "decode", "url": d1.url}])
+    write_roster(roster_file, roster([p], [d1]))
     gw = procs["gunicorn"](None, roster_file=roster_file, workers=1)
     published = tmp_path / f"state-{gw.url.rsplit(':', 1)[1]}" / "roster.json"
     published.unlink()
     published.mkdir()
-    write_roster(roster_file, [pre, {"role": "decode", "url": d2.url}])
+    write_roster(roster_file, roster([p], [d2]))
     os.kill(gw.proc.pid, signal.SIGHUP)
     eventually(lambda: log_lines(gw, "cannot publish the reloaded roster"), WAIT,
                what="the failed publish")

@@ -18,6 +18,7 @@ import yaml
 from tests.bodies import chat
 from tests.e2e.conftest import ROOT
 from tests.helpers import eventually, free_port
+from tests.rosters import roster
 
 pytestmark = pytest.mark.e2e
 
@@ -46,7 +47,7 @@ def wait_for_rejection(gw, seen: int, words: str, started: float) -> tuple[float
 
 def test_oversized_and_foreign_rosters_are_refused_on_sighup(procs, tmp_path: Path) -> None:
     p, d = procs["sim"]("prefill"), procs["sim"]("decode")
-    good = {"instances": [{"role": "prefill", "url": p.url}, {"role": "decode", "url": d.url}]}
+    good = roster([p], [d])
     target = tmp_path / "good.yaml"
     target.write_text(yaml.safe_dump(good))
     path = tmp_path / "roster.yaml"

@@ -13,6 +13,7 @@ import requests
 
 from tests.bodies import chat_stream
 from tests.helpers import RawStream
+from tests.rosters import roster
 
 pytestmark = pytest.mark.e2e
 
@@ -46,8 +47,7 @@ def read_response(sock: socket.socket) -> bytes:
 def test_sigterm_drains_streams_then_ends_them_in_band(procs) -> None:
     p = procs["sim"]("prefill")
     d = procs["sim"]("decode", "--token-delay-ms", "50", "--output-tokens", "400")
-    roster = {"instances": [{"role": "prefill", "url": p.url}, {"role": "decode", "url": d.url}]}
-    gw = procs["gunicorn"](roster, "-k", "gevent",
+    gw = procs["gunicorn"](roster([p], [d]), "-k", "gevent",
                            env={"EPD_GRACEFUL_TIMEOUT": str(GRACEFUL_TIMEOUT),
                                 "EPD_DRAIN_IDLE_GRACE": str(IDLE_GRACE)})
     long = RawStream(gw.url, "/v1/chat/completions", {**CHAT, "max_tokens": 400}, timeout=30)

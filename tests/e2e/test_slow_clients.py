@@ -16,6 +16,7 @@ import pytest
 import requests
 
 from tests.bodies import completion
+from tests.rosters import roster
 
 pytestmark = pytest.mark.e2e
 
@@ -82,8 +83,7 @@ def test_slow_heads_and_bodies_are_cut_while_health_and_completions_are_served(
     wsgi:app``), which makes gunicorn fork its stock worker instead of ours."""
     p, d = procs["sim"]("prefill"), procs["sim"]("decode")
     gw = procs["gunicorn"](
-        {"settings": {}, "instances": [{"role": "prefill", "url": p.url},
-                                       {"role": "decode", "url": d.url}]}, *command,
+        roster([p], [d]), *command,
         env={"EPD_WORKER_CONNECTIONS": str(CONNECTIONS), "EPD_MAX_IN_FLIGHT": str(IN_FLIGHT),
              "EPD_HEADER_TIMEOUT": str(HEADER_TIMEOUT), "EPD_BODY_TIMEOUT": str(BODY_TIMEOUT)})
     host = urlsplit(gw.url).netloc
@@ -181,8 +181,7 @@ def test_bodies_in_progress_hold_no_slot_while_clients_trickle_them_again_and_ag
     BUSY_BODY_SECONDS and a 503; completions sent whole are served all along."""
     p, d = procs["sim"]("prefill"), procs["sim"]("decode")
     gw = procs["gunicorn"](
-        {"settings": {}, "instances": [{"role": "prefill", "url": p.url},
-                                       {"role": "decode", "url": d.url}]},
+        roster([p], [d]),
         env={"EPD_MAX_IN_FLIGHT": str(IN_FLIGHT),
              "EPD_BODY_TIMEOUT": str(TRICKLE_BODY_TIMEOUT)})
     host = urlsplit(gw.url).netloc

@@ -16,6 +16,7 @@ import requests
 
 from tests.bodies import completion, completion_stream
 from tests.helpers import eventually
+from tests.rosters import roster
 
 pytestmark = pytest.mark.e2e
 
@@ -78,7 +79,7 @@ def in_flight(url: str) -> int:
 def test_a_client_that_stops_reading_is_reset_and_its_decode_closed(procs) -> None:
     sim = procs["sim"]("prefill_decode", *LONG_STREAM)
     gw = procs["gunicorn"](
-        {"settings": {}, "instances": [{"role": "prefill_decode", "url": sim.url}]},
+        roster(combined=[sim]),
         env={"EPD_MAX_IN_FLIGHT": str(STALLED), "EPD_CLIENT_WRITE_TIMEOUT": str(WRITE_TIMEOUT)})
     starts = [gevent.spawn(stall, gw.url) for _ in range(STALLED)]
     gevent.joinall(starts, timeout=WAIT, raise_error=True)
@@ -105,8 +106,7 @@ def test_a_client_that_stops_reading_is_reset_and_its_decode_closed(procs) -> No
 def test_decode_total_timeout_ends_a_relay_blocked_on_its_client(procs) -> None:
     sim = procs["sim"]("prefill_decode", *LONG_STREAM)
     gw = procs["gunicorn"](
-        {"settings": {"decode_total_timeout": TOTAL_TIMEOUT, "decode_chunk_timeout": 1},
-         "instances": [{"role": "prefill_decode", "url": sim.url}]},
+        roster(combined=[sim], decode_total_timeout=TOTAL_TIMEOUT, decode_chunk_timeout=1),
         env={"EPD_CLIENT_WRITE_TIMEOUT": "120"})
     sock = stall(gw.url)
     try:

@@ -27,6 +27,7 @@ import yaml
 
 import epd_flask
 from epd_flask.control import settings
+from tests import rosters
 from tests.bodies import chat_stream
 from tests.e2e.conftest import ROOT, START_TIMEOUT
 from tests.helpers import eventually, free_port
@@ -133,8 +134,7 @@ def test_the_wheel_serves_reloads_and_stops_outside_the_checkout(tmp_path: Path,
     prefill = procs["sim"]("prefill")
     decode = procs["sim"]("decode", "--output-tokens", "8", "--token-delay-ms", "5")
     roster = run / "roster.yaml"
-    doc = {"instances": [{"role": "prefill", "url": prefill.url},
-                         {"role": "decode", "url": decode.url}]}
+    doc = rosters.roster([prefill], [decode])
     roster.write_text(yaml.safe_dump(doc))
     sims_up = time.monotonic()
     port = free_port()

@@ -15,7 +15,8 @@ import yaml
 from epd_flask.control.roster import load
 from epd_flask.control.statedir import StateDir
 from tests.bodies import chat
-from tests.helpers import pd_roster, sample, scrape
+from tests.helpers import sample, scrape
+from tests.rosters import roster
 
 KEY = "s3cret-admin"
 AUTH = {"X-API-Key": KEY}
@@ -26,7 +27,7 @@ CHAT = chat("hi", max_tokens=4)
 def fleet(sim, proxy, tmp_path: Path) -> Any:
     """A prefill, a decode in the roster file, and a decode not yet registered."""
     p, d1, d2 = sim("prefill"), sim("decode"), sim("decode")
-    doc = pd_roster([p], [d1], probe_interval=60)
+    doc = roster([p], [d1], probe_interval=60)
     path = tmp_path / "roster.yaml"
     path.write_text("# operators' notes\n" + yaml.safe_dump(doc))
 

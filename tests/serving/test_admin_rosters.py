@@ -10,7 +10,7 @@ import pytest
 import requests
 import yaml
 
-from tests.helpers import pd_roster
+from tests.rosters import roster
 
 KEY = "s3cret-admin"
 SECRET = "hunter2-SECRET-do-not-print"
@@ -19,7 +19,7 @@ SECRET = "hunter2-SECRET-do-not-print"
 @pytest.fixture
 def admin(sim, proxy, tmp_path: Path) -> Any:
     p, d = sim("prefill"), sim("decode")
-    doc = pd_roster([p], [d])
+    doc = roster([p], [d])
     good = tmp_path / "good.yaml"
     good.write_text(yaml.safe_dump(doc))
     path = tmp_path / "roster.yaml"

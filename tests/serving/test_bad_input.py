@@ -29,6 +29,7 @@ from epd_flask.control.roster import parse
 from epd_flask.sim import SimConfig, SimServer
 from tests.bodies import chat, completion
 from tests.helpers import NoDelayHandler
+from tests.rosters import instance
 
 EXAMPLES = 40
 MAX_BODY = 64 * 1024
@@ -46,7 +47,7 @@ class Fleet:
     def __init__(self) -> None:
         self.sims = [SimServer(SimConfig(role=role)).start()
                      for role in ("encode", "prefill", "decode")]
-        doc = {"instances": [{"role": s.config.role, "url": s.url} for s in self.sims]}
+        doc = {"instances": [instance(s.config.role, s) for s in self.sims]}
         self.app = create_app(ProxyConfig(max_body_bytes=MAX_BODY), parse(doc, "test roster"))
         self.server = WSGIServer(("127.0.0.1", 0), self.app, log=None,
                                  handler_class=NoDelayHandler)

@@ -15,7 +15,8 @@ import gevent
 import pytest
 
 from tests.bodies import chat, image, multimodal
-from tests.helpers import RawStream, eventually, pd_roster, sample, scrape
+from tests.helpers import RawStream, eventually, sample, scrape
+from tests.rosters import roster
 
 CHAT = chat(max_tokens=8, temperature=0)
 #: When the client leaves, well inside the slow leg.
@@ -61,7 +62,7 @@ def _counted_as_499(px: Any, caplog: pytest.LogCaptureFixture, wait: Callable[[]
 
 def test_non_stream_decode_is_aborted_when_the_client_leaves(sim, proxy, caplog) -> None:
     p, d = sim("prefill"), sim("decode", ttft=5.0)
-    px = proxy(pd_roster([p], [d]))
+    px = proxy(roster([p], [d]))
     before = _499s(px)
     with caplog.at_level(logging.INFO, logger="epd_flask.requests"):
         seconds = _leave_and_time(px, CHAT, d)
@@ -73,7 +74,7 @@ def test_non_stream_decode_is_aborted_when_the_client_leaves(sim, proxy, caplog)
 
 def test_slow_prefill_is_aborted_and_decode_never_called(sim, proxy, caplog) -> None:
     p, d = sim("prefill", ttft=3.0), sim("decode")
-    px = proxy(pd_roster([p], [d]))
+    px = proxy(roster([p], [d]))
     before = _499s(px)
     with caplog.at_level(logging.INFO, logger="epd_flask.requests"):
         seconds = _leave_and_time(px, {**CHAT, "stream": True}, p)
@@ -86,7 +87,7 @@ def test_slow_prefill_is_aborted_and_decode_never_called(sim, proxy, caplog) -> 
 
 def test_stream_decode_before_its_first_byte_is_aborted(sim, proxy) -> None:
     p, d = sim("prefill"), sim("decode", ttft=3.0)
-    px = proxy(pd_roster([p], [d]))
+    px = proxy(roster([p], [d]))
     seconds = _leave_and_time(px, {**CHAT, "stream": True}, d)
     _report("stream, decode before its first byte (3 s)", seconds)
     assert seconds < CLOSE_WITHIN
@@ -95,8 +96,7 @@ def test_stream_decode_before_its_first_byte_is_aborted(sim, proxy) -> None:
 
 def test_slow_encoder_is_aborted_and_prefill_and_decode_never_called(sim, proxy) -> None:
     e, p, d = sim("encode", ttft=3.0), sim("prefill"), sim("decode")
-    px = proxy({"instances": [{"role": "encode", "url": e.url}, {"role": "prefill", "url": p.url},
-                              {"role": "decode", "url": d.url}]})
+    px = proxy(roster([p], [d], encoders=[e]))
     body = {**CHAT, **multimodal(image(size=900))}
     seconds = _leave_and_time(px, body, e)
     _report("encoder (3 s)", seconds)
@@ -108,9 +108,8 @@ def test_slow_encoder_is_aborted_and_prefill_and_decode_never_called(sim, proxy)
 def test_mooncake_legs_are_both_aborted_before_decodes_first_byte(sim, proxy) -> None:
     p = sim("prefill", bootstrap_port=0, ttft=3.0)
     d = sim("decode", kv_timeout=10.0)
-    px = proxy({"settings": {"connector": "mooncake"}, "instances": [
-        {"role": "prefill", "url": p.url, "bootstrap_url": p.bootstrap_url},
-        {"role": "decode", "url": d.url}]}, probes=True)
+    px = proxy(roster([(p, {"bootstrap_url": p.bootstrap_url})], [d], connector="mooncake"),
+               probes=True)
     eventually(lambda: px.services.pipeline.ready()[0], interval=0.05)
     seconds = _leave_and_time(px, CHAT, p)
     _report("mooncake, prefill and decode at once (3 s)", seconds)

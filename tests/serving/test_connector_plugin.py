@@ -11,6 +11,7 @@ from epd_flask.control.connectorspecs import CONNECTORS, ConnectorSpec, Need
 from epd_flask.control.roster import RosterError, parse
 from epd_flask.serving.connectors import Body, LegRequest, Route, SplitConnector, prime_body
 from tests.bodies import chat
+from tests.rosters import roster
 
 CHAT = chat("hello", max_tokens=4, temperature=0)
 NEEDS_MESSAGE = "the tagging connector needs kv_zmq_addr on every decode"
@@ -36,10 +37,8 @@ def tagging(monkeypatch: pytest.MonkeyPatch) -> None:
         needs=(Need("kv_zmq_addr", ("decode",), NEEDS_MESSAGE),)))
 
 
-def roster(p, d, decode_fields: dict) -> dict:
-    return {"settings": {"connector": "tagging"},
-            "instances": [{"role": "prefill", "url": p.url},
-                          {"role": "decode", "url": d.url, **decode_fields}]}
+def tagged(p, d, decode_fields: dict) -> dict:
+    return roster([p], [(d, decode_fields)], connector="tagging")
 
 
 def test_an_undeclared_connector_is_refused_with_the_choices() -> None:
@@ -52,10 +51,10 @@ def test_an_undeclared_connector_is_refused_with_the_choices() -> None:
 def test_a_connector_declared_in_one_line_is_checked_and_serves(tagging, sim, proxy) -> None:
     p, d = sim("prefill"), sim("decode")
     with pytest.raises(RosterError) as info:
-        parse(roster(p, d, {}), "roster.yaml")
+        parse(tagged(p, d, {}), "roster.yaml")
     assert str(info.value) == f"roster.yaml: instance {d.url}: {NEEDS_MESSAGE}"
 
-    px = proxy(roster(p, d, {"kv_zmq_addr": "10.0.0.2:14579"}))
+    px = proxy(tagged(p, d, {"kv_zmq_addr": "10.0.0.2:14579"}))
     r = requests.post(px.url + "/v1/chat/completions", json=CHAT, timeout=10)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"]

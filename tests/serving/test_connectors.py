@@ -13,6 +13,7 @@ import requests
 from epd_flask.sim import SimConfig, SimServer
 from tests.bodies import chat, completion, completion_stream
 from tests.helpers import RawStream, eventually, free_port
+from tests.rosters import roster
 
 CHAT = chat(max_tokens=8, temperature=0)
 # Long enough for several 16-token prefix-cache blocks in the simulated prefill.
@@ -26,10 +27,8 @@ def sse_events(resp: requests.Response) -> list[str]:
 
 
 def mooncake_roster(prefills, decodes, **settings) -> dict:
-    instances = [{"role": "prefill", "url": p.url, "bootstrap_url": p.bootstrap_url}
-                 for p in prefills]
-    instances += [{"role": "decode", "url": d.url} for d in decodes]
-    return {"settings": {"connector": "mooncake", **settings}, "instances": instances}
+    return roster([(p, {"bootstrap_url": p.bootstrap_url}) for p in prefills], decodes,
+                  connector="mooncake", **settings)
 
 
 def ready(px) -> bool:
@@ -220,10 +219,8 @@ def test_mooncake_client_leaving_mid_stream_closes_decode(mooncake) -> None:
 @pytest.mark.parametrize("stream", [False, True])
 def test_p2p_nccl_request_id_names_the_pair_and_prefill_runs_first(sim, proxy, stream) -> None:
     p, d = sim("prefill", ttft=0.05), sim("decode")
-    doc = {"settings": {"connector": "p2p_nccl"}, "instances": [
-        {"role": "prefill", "url": p.url, "kv_zmq_addr": "127.0.0.1:21001"},
-        {"role": "decode", "url": d.url, "kv_zmq_addr": "127.0.0.1:22001"}]}
-    px = proxy(doc)
+    px = proxy(roster([(p, {"kv_zmq_addr": "127.0.0.1:21001"})],
+                      [(d, {"kv_zmq_addr": "127.0.0.1:22001"})], connector="p2p_nccl"))
     r = requests.post(px.url + "/v1/chat/completions", json={**CHAT, "stream": stream},
                       headers={"X-Request-Id": "client-1"}, timeout=10)
     assert r.status_code == 200 and r.headers["X-Request-Id"] == "client-1"
@@ -258,8 +255,7 @@ def test_p2p_nccl_roster_needs_kv_addresses(proxy, sim) -> None:
 def test_usage_reports_prefill_prefix_cache_hits(sim, proxy, connector, stream) -> None:
     # vLLM reports prefix-cache hits in usage only with --enable-prompt-tokens-details.
     p, d = sim("prefill", prompt_tokens_details=True), sim("decode", prompt_tokens_details=True)
-    px = proxy({"settings": {"connector": connector}, "instances": [
-        {"role": "prefill", "url": p.url}, {"role": "decode", "url": d.url}]})
+    px = proxy(roster([p], [d], connector=connector))
     body = completion_stream(LONG_PROMPT, max_tokens=4, stream_options={"include_usage": True}) \
         if stream else completion(LONG_PROMPT, max_tokens=4)
 
@@ -288,8 +284,7 @@ def test_stream_is_read_as_vllm_reads_it(sim, proxy, spelling) -> None:
     treats it as one too (reads it whole and writes prefill's cache hits into its usage)
     rather than relaying it as a stream because the string is truthy."""
     p, d = sim("prefill", prompt_tokens_details=True), sim("decode", prompt_tokens_details=True)
-    px = proxy({"settings": {"connector": "none"}, "instances": [
-        {"role": "prefill", "url": p.url}, {"role": "decode", "url": d.url}]})
+    px = proxy(roster([p], [d], connector="none"))
     body = completion(LONG_PROMPT, max_tokens=4, stream=spelling)
     for _ in range(2):
         r = requests.post(px.url + "/v1/completions", json=body, timeout=10)
@@ -305,9 +300,7 @@ def test_stream_is_read_as_vllm_reads_it(sim, proxy, spelling) -> None:
 
 def test_prefill_failure_recompute_lets_decode_serve_alone(sim, proxy) -> None:
     p, d = sim("prefill"), sim("decode")
-    doc = {"settings": {"prefill_failure": "recompute", "decode_retries": 0}, "instances": [
-        {"role": "prefill", "url": p.url}, {"role": "decode", "url": d.url}]}
-    px = proxy(doc)
+    px = proxy(roster([p], [d], prefill_failure="recompute", decode_retries=0))
     p.state.inject(fail_next=1)
     r = requests.post(px.url + "/v1/chat/completions", json=CHAT, timeout=10)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
@@ -320,8 +313,7 @@ def test_prefill_failure_recompute_lets_decode_serve_alone(sim, proxy) -> None:
 
 def test_prefill_failure_fail_is_the_default(sim, proxy) -> None:
     p, d = sim("prefill"), sim("decode")
-    px = proxy({"settings": {"decode_retries": 0}, "instances": [
-        {"role": "prefill", "url": p.url}, {"role": "decode", "url": d.url}]})
+    px = proxy(roster([p], [d], decode_retries=0))
     p.state.inject(fail_next=1)
     r = requests.post(px.url + "/v1/chat/completions", json=CHAT, timeout=10)
     assert r.status_code == 500 and d.state.stats()["completions"] == 0
@@ -330,7 +322,7 @@ def test_prefill_failure_fail_is_the_default(sim, proxy) -> None:
 @pytest.mark.parametrize("spelling", ["Authorization", "authorization", "AUTHORIZATION"])
 def test_backend_key_replaces_the_clients_bearer_on_every_leg(sim, proxy, spelling) -> None:
     p, d = sim("prefill"), sim("decode")
-    doc = {"instances": [{"role": "prefill", "url": p.url}, {"role": "decode", "url": d.url}]}
+    doc = roster([p], [d])
     keyed = proxy(doc, backend_api_key="sk-fleet")
     requests.post(keyed.url + "/v1/chat/completions", json=CHAT, timeout=10,
                   headers={spelling: "Bearer sk-client"})

@@ -13,7 +13,7 @@ import requests
 
 from tests.bodies import completion
 from tests.fakes import SSE_HEAD, chunk, serve_and_wait
-from tests.helpers import pd_roster
+from tests.rosters import roster
 
 COMPLETION = completion(max_tokens=4)
 EVENT = b'data: {"choices":[{"index":0,"text":"x"}]}\n\n'
@@ -40,7 +40,7 @@ def test_silence_after_the_first_event_is_cut_by_the_chunk_timeout(sim, proxy, f
                                                                    first) -> None:
     p = sim("prefill")
     d = fake(serve_and_wait(head + first))
-    px = proxy(pd_roster([p], [d], decode_timeout=2.0, decode_chunk_timeout=0.5,
+    px = proxy(roster([p], [d], decode_timeout=2.0, decode_chunk_timeout=0.5,
                          decode_retries=0))
     r, took = post(px, {**COMPLETION, "stream": True})
     print(f"\nsilent stream cut after {took:.2f} s (chunk timeout 0.5 s, decode timeout 2 s)")
@@ -53,7 +53,7 @@ def test_silence_after_the_first_event_is_cut_by_the_chunk_timeout(sim, proxy, f
 
 def test_a_non_stream_answer_may_take_longer_than_decode_timeout(sim, proxy) -> None:
     p, d = sim("prefill"), sim("decode", ttft=1.0)
-    px = proxy(pd_roster([p], [d], decode_timeout=0.3, decode_retries=0))
+    px = proxy(roster([p], [d], decode_timeout=0.3, decode_retries=0))
     r, took = post(px, COMPLETION)
     print(f"\nnon-stream answer after {took:.2f} s with decode_timeout 0.3 s: {r.status_code}")
     assert r.status_code == 200, r.text
@@ -62,7 +62,7 @@ def test_a_non_stream_answer_may_take_longer_than_decode_timeout(sim, proxy) -> 
 
 def test_a_non_stream_answer_past_the_total_timeout_is_504(sim, proxy) -> None:
     p, d = sim("prefill"), sim("decode", ttft=2.0)
-    px = proxy(pd_roster([p], [d], decode_timeout=5.0, decode_total_timeout=0.5,
+    px = proxy(roster([p], [d], decode_timeout=5.0, decode_total_timeout=0.5,
                          decode_retries=0))
     r, took = post(px, COMPLETION)
     assert r.status_code == 504
@@ -74,7 +74,7 @@ def test_a_non_stream_answer_past_the_total_timeout_is_504(sim, proxy) -> None:
 
 def test_a_stream_past_the_total_timeout_ends_in_band(sim, proxy) -> None:
     p, d = sim("prefill"), sim("decode", token_delay=0.1, output_tokens=100)
-    px = proxy(pd_roster([p], [d], decode_chunk_timeout=2.0, decode_total_timeout=1.0,
+    px = proxy(roster([p], [d], decode_chunk_timeout=2.0, decode_total_timeout=1.0,
                          decode_retries=0))
     r, took = post(px, {**COMPLETION, "max_tokens": 100, "stream": True})
     assert r.status_code == 200

@@ -18,6 +18,7 @@ import gevent
 import requests
 import yaml
 
+from tests import rosters
 from tests.bodies import chat, image
 from tests.helpers import RawStream, Samples, eventually, scrape
 from tests.unit.test_kvaware import Publisher, publish_until_ready
@@ -59,10 +60,8 @@ def test_every_documented_metric_moves(sim, proxy, tmp_path: Path) -> None:
     d1 = sim("decode", token_delay=0.05, output_tokens=400)
     d2 = sim("decode", token_delay=0.05, output_tokens=400)
     events = Publisher()  # the prefill's KV-event endpoint, as vLLM's
-    doc = {"settings": {"fail_threshold": 1, "probe_interval": 60},
-           "instances": [{"role": "encode", "url": e.url},
-                         {"role": "prefill", "url": p.url, "kv_events": events.endpoint},
-                         {"role": "decode", "url": d1.url}]}
+    doc = rosters.roster([(p, {"kv_events": events.endpoint})], [d1], encoders=[e],
+                         fail_threshold=1, probe_interval=60)
     roster = tmp_path / "roster.yaml"
     roster.write_text(yaml.safe_dump(doc))
     px = proxy(doc, roster_path=str(roster), admin_api_key=KEY, max_in_flight=2)

@@ -13,7 +13,7 @@ import pytest
 import requests
 
 from tests.bodies import completion
-from tests.helpers import pd_roster
+from tests.rosters import roster
 
 COMPLETION = completion(max_tokens=4)
 KEYS = ("sk-serving-one-0123456789", "sk-serving-two-9876543210")
@@ -24,7 +24,7 @@ ADMIN = "admin-key-abcdefghijkl"
 def fleet(sim, proxy):
     def start(**config):
         p, d = sim("prefill"), sim("decode")
-        return p, d, proxy(pd_roster([p], [d]), **config)
+        return p, d, proxy(roster([p], [d]), **config)
     return start
 
 
@@ -155,7 +155,7 @@ def test_deep_nesting_is_a_client_error(fleet, depth: int) -> None:
 
 def test_prefill_timeout_names_the_stage(sim, proxy) -> None:
     p, d = sim("prefill", ttft=2.0), sim("decode")
-    px = proxy(pd_roster([p], [d], prefill_timeout=0.2, decode_retries=0))
+    px = proxy(roster([p], [d], prefill_timeout=0.2, decode_retries=0))
     r = post(px, COMPLETION)
     assert r.status_code == 504
     err = r.json()["error"]
@@ -167,7 +167,7 @@ def test_prefill_timeout_names_the_stage(sim, proxy) -> None:
 def test_decode_first_byte_timeout_names_the_stage(sim, proxy) -> None:
     # A stream whose status line is late: vLLM sends it at once, so this decode is stuck.
     p, d = sim("prefill"), sim("decode", ttft=2.0)
-    px = proxy(pd_roster([p], [d], decode_timeout=0.2, decode_retries=0))
+    px = proxy(roster([p], [d], decode_timeout=0.2, decode_retries=0))
     d.state.inject(hang_next=1)
     r = post(px, {**COMPLETION, "stream": True})
     assert r.status_code == 504
@@ -179,7 +179,7 @@ def test_decode_first_byte_timeout_after_the_headers_names_the_stage(sim, proxy)
     # A streaming vLLM sends its headers at once and the first token later: the wait for it
     # is still the decode (first-byte) timeout; the status line is out, so it is told in band.
     p, d = sim("prefill"), sim("decode", ttft=2.0)
-    px = proxy(pd_roster([p], [d], decode_timeout=0.2, decode_retries=0))
+    px = proxy(roster([p], [d], decode_timeout=0.2, decode_retries=0))
     r = post(px, {**COMPLETION, "stream": True})
     event = json.loads(r.text.strip().removeprefix("data: "))
     assert event["error"]["code"] == "upstream_timeout"
@@ -188,7 +188,7 @@ def test_decode_first_byte_timeout_after_the_headers_names_the_stage(sim, proxy)
 
 def test_decode_silence_between_chunks_ends_the_stream_naming_the_stage(sim, proxy) -> None:
     p, d = sim("prefill"), sim("decode", token_delay=2.0)
-    px = proxy(pd_roster([p], [d], decode_chunk_timeout=0.2))
+    px = proxy(roster([p], [d], decode_chunk_timeout=0.2))
     r = post(px, {**COMPLETION, "stream": True})
     assert r.status_code == 200
     events = [b for b in r.text.split("\n\n") if b.startswith("data: ")]

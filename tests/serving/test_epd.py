@@ -14,6 +14,7 @@ from gevent.pywsgi import WSGIServer
 
 from epd_flask.core.errors import instance_label
 from tests.bodies import audio, image, multimodal, video
+from tests.rosters import roster
 
 MEDIA = ("image_url", "audio_url", "input_audio", "video_url")
 EMBEDS = ("image_embeds", "audio_embeds", "video_embeds")
@@ -22,14 +23,6 @@ LOG_LINE = re.compile(r"request_id=(\S+) .*")
 
 def chat(*parts: dict[str, Any], **extra: Any) -> dict[str, Any]:
     return multimodal(*parts, **{"max_tokens": 4, "temperature": 0, **extra})
-
-
-def roster(encoders=(), prefills=(), decodes=(), pds=(), **settings: Any) -> dict[str, Any]:
-    instances = [{"role": "encode", "url": e.url} for e in encoders]
-    instances += [{"role": "prefill", "url": p.url} for p in prefills]
-    instances += [{"role": "decode", "url": d.url} for d in decodes]
-    instances += [{"role": "prefill_decode", "url": s.url, **extra} for s, extra in pds]
-    return {"settings": settings, "instances": instances}
 
 
 def post(px, body: dict[str, Any], **kw: Any) -> requests.Response:
@@ -61,7 +54,7 @@ def test_five_images_and_an_audio_fan_out_to_two_encoders_at_once(sim, proxy, ca
     slow, fast = 0.4, 0.25
     e0, e1 = sim("encode", ttft=slow), sim("encode", ttft=fast)
     p, d = sim("prefill"), sim("decode")
-    px = proxy(roster([e0, e1], [p], [d]))
+    px = proxy(roster([p], [d], encoders=[e0, e1]))
     body = chat(image(), image(), image(), image(), image(), audio())
     sent = json.dumps(body)
     with caplog.at_level(logging.INFO, logger="epd_flask.requests"):
@@ -122,7 +115,7 @@ def test_a_failing_encoder_fails_the_request_before_prefill_and_decode(
     e0, e1 = sim("encode"), sim("encode", ttft=0.05)
     p, d = sim("prefill"), sim("decode")
     # A short stage deadline only where it is meant to fire: under load a 4xx can take longer.
-    px = proxy(roster([e0, e1], [p], [d], decode_retries=2,
+    px = proxy(roster([p], [d], encoders=[e0, e1], decode_retries=2,
                       encoder_timeout=0.5 if "hang_next" in fault else 10.0))
     e0.state.inject(**fault)
     first, second, sound = image(), image(), audio()
@@ -148,7 +141,7 @@ def test_a_failing_encoder_fails_the_request_before_prefill_and_decode(
 def test_a_failed_encoder_call_goes_once_to_another_encoder(sim, proxy, fault) -> None:
     e0, e1 = sim("encode"), sim("encode")
     p, d = sim("prefill"), sim("decode")
-    px = proxy(roster([e0, e1], [p], [d], decode_retries=2))
+    px = proxy(roster([p], [d], encoders=[e0, e1], decode_retries=2))
     if fault == "stopped":
         e0.stop()
     else:
@@ -167,7 +160,7 @@ def test_a_failed_encoder_call_goes_once_to_another_encoder(sim, proxy, fault) -
 def test_an_encoder_call_is_retried_once_only(sim, proxy) -> None:
     e0, e1 = sim("encode"), sim("encode")
     p, d = sim("prefill"), sim("decode")
-    px = proxy(roster([e0, e1], [p], [d], decode_retries=2))
+    px = proxy(roster([p], [d], encoders=[e0, e1], decode_retries=2))
     for e in (e0, e1):
         e.state.inject(fail_next=5, fail_status=503)
     r = post(px, chat(image()))
@@ -179,7 +172,7 @@ def test_an_encoder_call_is_retried_once_only(sim, proxy) -> None:
 def test_the_same_image_gets_the_same_key_in_every_request(sim, proxy) -> None:
     enc = sim("encode")
     pd = sim("prefill_decode")
-    px = proxy(roster([enc], pds=[(pd, {})]))
+    px = proxy(roster(encoders=[enc], combined=[pd]))
     same = image()
     for body in (chat(same), chat(image(), same, max_tokens=2)):
         assert post(px, body).status_code == 200
@@ -197,7 +190,7 @@ def test_empty_metadata_keeps_raw_media_that_the_next_stage_finds_by_key(sim, pr
     stays media, carrying the uuid the encoder stored it under."""
     enc = sim("encode", ec_metadata="empty")
     p, d = sim("prefill"), sim("decode")
-    px = proxy(roster([enc], [p], [d]))
+    px = proxy(roster([p], [d], encoders=[enc]))
     body = chat(image(), audio())
     r = post(px, body)
     assert r.status_code == 200, r.text
@@ -217,7 +210,7 @@ def test_empty_metadata_keeps_raw_media_that_the_next_stage_finds_by_key(sim, pr
 def test_a_lone_audio_without_metadata_keeps_the_whole_request_raw(sim, proxy) -> None:
     grid, empty = sim("encode"), sim("encode", ec_metadata="empty")
     pd = sim("prefill_decode")
-    px = proxy(roster([grid, empty], pds=[(pd, {})]))
+    px = proxy(roster(encoders=[grid, empty], combined=[pd]))
     # item 0 (image) -> grid encoder (has metadata), item 1 (audio) -> empty encoder
     r = post(px, chat(image(), audio()))
     assert r.status_code == 200, r.text
@@ -230,7 +223,7 @@ def test_a_lone_audio_without_metadata_keeps_the_whole_request_raw(sim, proxy) -
 def test_without_rewrite_the_next_stage_gets_the_original_media(sim, proxy) -> None:
     enc = sim("encode")
     pd = sim("prefill_decode")
-    px = proxy(roster([enc], pds=[(pd, {})], rewrite_media=False))
+    px = proxy(roster(encoders=[enc], combined=[pd], rewrite_media=False))
     body = chat(image(), image())
     assert post(px, body).status_code == 200
     assert all("uuid" not in part for part in media_parts(completions(enc)[0]))
@@ -243,7 +236,7 @@ def test_without_rewrite_the_next_stage_gets_the_original_media(sim, proxy) -> N
 def test_a_decode_retry_encodes_again_from_the_original_media(sim, proxy) -> None:
     enc = sim("encode")
     p, d = sim("prefill"), sim("decode")
-    px = proxy(roster([enc], [p], [d], decode_retries=1))
+    px = proxy(roster([p], [d], encoders=[enc], decode_retries=1))
     d.state.inject(fail_next=1, fail_status=500)
     body = chat(image(), image())
     r = post(px, body)
@@ -259,7 +252,7 @@ def test_mooncake_consumer_replica_is_named_to_encoders_and_to_the_request(sim, 
     enc = sim("encode")
     pd = sim("prefill_decode", dp_size=2)
     addrs = ["tcp://127.0.0.1:17000", "tcp://127.0.0.1:17001"]
-    px = proxy(roster([enc], pds=[(pd, {"dp_size": 2, "ec_zmq_addrs": addrs})]))
+    px = proxy(roster(encoders=[enc], combined=[(pd, {"dp_size": 2, "ec_zmq_addrs": addrs})]))
     for _ in range(2):
         assert post(px, chat(image(), image())).status_code == 200
     assert post(px, chat()).status_code == 200  # no media: no pinning, no encoder call
@@ -283,7 +276,7 @@ def test_mooncake_consumer_replica_is_named_to_encoders_and_to_the_request(sim, 
 def test_video_with_its_audio_stays_raw_and_rehashed_keys_match_by_index(sim, proxy) -> None:
     enc = sim("encode")
     pd = sim("prefill_decode")
-    px = proxy(roster([enc], pds=[(pd, {})]))
+    px = proxy(roster(encoders=[enc], combined=[pd]))
     kwargs = {"use_audio_in_video": True}
     r = post(px, chat(video(), image(), image(), mm_processor_kwargs=kwargs))
     assert r.status_code == 200, r.text
@@ -298,7 +291,7 @@ def test_video_with_its_audio_stays_raw_and_rehashed_keys_match_by_index(sim, pr
 def test_encoder_rotation_and_batch_cap(sim, proxy) -> None:
     e0, e1 = sim("encode"), sim("encode")
     pd = sim("prefill_decode")
-    px = proxy(roster([e0, e1], pds=[(pd, {})], encoder_max_batch_size=2))
+    px = proxy(roster(encoders=[e0, e1], combined=[pd], encoder_max_batch_size=2))
     for _ in range(3):
         assert post(px, chat(image())).status_code == 200
     # the rotation continues across requests: e0, e1, e0
@@ -314,7 +307,7 @@ def test_the_concurrency_bound_holds(sim, proxy) -> None:
     pd = sim("prefill_decode")
     for bound, expected in ((1, 1), (8, 3)):
         enc.state.reset()
-        px = proxy(roster([enc], pds=[(pd, {})], encoder_concurrency=bound))
+        px = proxy(roster(encoders=[enc], combined=[pd], encoder_concurrency=bound))
         assert post(px, chat(audio(), audio(), audio())).status_code == 200
         assert enc.state.stats()["max_in_flight"] == expected
 
@@ -322,7 +315,7 @@ def test_the_concurrency_bound_holds(sim, proxy) -> None:
 def test_text_only_requests_skip_the_encoders(sim, proxy) -> None:
     enc = sim("encode")
     p, d = sim("prefill"), sim("decode")
-    px = proxy(roster([enc], [p], [d]))
+    px = proxy(roster([p], [d], encoders=[enc]))
     assert post(px, chat()).status_code == 200
     assert requests.post(px.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2},
                          timeout=10).status_code == 200
@@ -332,7 +325,7 @@ def test_text_only_requests_skip_the_encoders(sim, proxy) -> None:
 def test_no_live_encoder_is_a_503_before_any_other_call(sim, proxy) -> None:
     enc = sim("encode")
     pd = sim("prefill_decode")
-    px = proxy(roster([enc], pds=[(pd, {})]))
+    px = proxy(roster(encoders=[enc], combined=[pd]))
     registry = px.services.registry
     for _ in range(registry.fail_threshold):
         registry.record_failure(enc.url, "test")
@@ -356,11 +349,7 @@ def test_an_unmatchable_encoder_report_is_a_502(sim, proxy, report) -> None:
     server.start()
     try:
         pd = sim("prefill_decode")
-
-        class Fake:
-            url = f"http://127.0.0.1:{server.server_port}"
-
-        px = proxy(roster([Fake], pds=[(pd, {})]))
+        px = proxy(roster(encoders=[f"http://127.0.0.1:{server.server_port}"], combined=[pd]))
         r = post(px, chat(image(), image()))
     finally:
         server.stop()
@@ -372,7 +361,7 @@ def test_an_unmatchable_encoder_report_is_a_502(sim, proxy, report) -> None:
 def test_streamed_e_pd_request_relays_events_after_encoding(sim, proxy) -> None:
     enc = sim("encode", ttft=0.05)
     pd = sim("prefill_decode", token_delay=0.01)
-    px = proxy(roster([enc], pds=[(pd, {})]))
+    px = proxy(roster(encoders=[enc], combined=[pd]))
     r = post(px, chat(image(), audio(), stream=True, max_tokens=5))
     assert r.status_code == 200
     assert r.headers["Content-Type"].startswith("text/event-stream")

@@ -11,7 +11,8 @@ import pytest
 import requests
 
 from tests.bodies import chat
-from tests.helpers import eventually, pd_roster
+from tests.helpers import eventually
+from tests.rosters import roster
 
 CHAT = chat(max_tokens=6, temperature=0)
 
@@ -36,7 +37,7 @@ def test_a_refused_instance_sends_the_request_to_another_one(sim, proxy, role, c
     dead = {"prefill": p0, "decode": d0}[role]
     dead.stop()
     # A high threshold keeps the dead instance in rotation: every request may meet it.
-    px = proxy(pd_roster([p0, p1], [d0, d1], fail_threshold=100, decode_retries=1))
+    px = proxy(roster([p0, p1], [d0, d1], fail_threshold=100, decode_retries=1))
     caplog.set_level(logging.WARNING, "epd_flask.serving.pipeline")
     for _ in range(4):
         r = post(px)
@@ -56,7 +57,7 @@ def test_attempts_are_bounded_by_decode_retries(sim, proxy) -> None:
     decodes = [sim("decode") for _ in range(3)]
     for d in decodes:
         d.state.inject(fail_next=10, fail_status=500)
-    px = proxy(pd_roster([p], decodes, decode_retries=1))
+    px = proxy(roster([p], decodes, decode_retries=1))
     r = post(px)
     assert r.status_code == 500
     assert sum(d.state.stats()["failed_injected"] for d in decodes) == 2  # 1 + 1 retry
@@ -68,7 +69,7 @@ def test_a_decode_dying_before_its_answer_is_replaced_unseen(sim, proxy) -> None
     """A non-streamed request whose decode dies mid-generation: the client has seen nothing,
     so another decode serves it."""
     p, slow, other = sim("prefill"), sim("decode", ttft=5.0), sim("decode")
-    px = proxy(pd_roster([p], [slow, other], decode_retries=1))
+    px = proxy(roster([p], [slow, other], decode_retries=1))
     pending = gevent.spawn(post, px)
     eventually(lambda: slow.state.stats()["in_flight"], what="the slow decode's request")
     slow.stop()
@@ -79,7 +80,7 @@ def test_a_decode_dying_before_its_answer_is_replaced_unseen(sim, proxy) -> None
 
 def test_nothing_is_retried_after_the_first_byte(sim, proxy) -> None:
     p, d0, d1 = sim("prefill"), sim("decode", output_tokens=30), sim("decode", output_tokens=30)
-    px = proxy(pd_roster([p], [d0, d1], decode_retries=3))
+    px = proxy(roster([p], [d0, d1], decode_retries=3))
     for d in (d0, d1):
         d.state.inject(drop_after=3)
     r = post(px, {**CHAT, "max_tokens": 30, "stream": True})

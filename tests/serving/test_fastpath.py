@@ -22,7 +22,8 @@ from gevent.pywsgi import WSGIServer
 
 from tests.bodies import chat, completion
 from tests.conftest import Proxy
-from tests.helpers import NoDelayHandler, pd_roster
+from tests.helpers import NoDelayHandler
+from tests.rosters import roster
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -44,7 +45,7 @@ def twins(sim, proxy) -> Iterator[tuple[Proxy, int, int, list[str]]]:
     """(proxy, port of the app as served, port of its Flask-only twin, paths Flask saw)."""
     from epd_flask.web.inflight import InFlightMiddleware
     from epd_flask.web.slowbody import BodyDeadline
-    px = proxy(pd_roster([sim("prefill")], [sim("decode", output_tokens=4)]),
+    px = proxy(roster([sim("prefill")], [sim("decode", output_tokens=4)]),
                max_body_bytes=4096, api_keys=(KEY,))
     fast = fast_path(px)
     flask_saw: list[str] = []

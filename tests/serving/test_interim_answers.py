@@ -11,6 +11,7 @@ import requests
 
 from tests.bodies import chat
 from tests.fakes import Handler, hints_then, response
+from tests.rosters import roster
 
 EARLY_HINTS = b"HTTP/1.1 103 Early Hints\r\nLink: </style.css>; rel=preload\r\n\r\n"
 UPGRADE = b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n"
@@ -34,7 +35,7 @@ def _chat(text: str) -> dict[str, Any]:
 
 def test_early_hints_are_skipped_and_each_client_gets_its_own_answer(fake, proxy) -> None:
     upstream = fake(echoing(EARLY_HINTS))
-    px = proxy({"instances": [{"role": "prefill_decode", "url": upstream.url}]})
+    px = proxy(roster(combined=[upstream]))
     for n in range(3):
         r = requests.post(px.url + "/v1/chat/completions", json=_chat(f"question {n}"),
                           timeout=10)
@@ -46,7 +47,7 @@ def test_early_hints_are_skipped_and_each_client_gets_its_own_answer(fake, proxy
 def test_an_upgrade_answer_fails_the_request_and_its_connection_is_dropped(
         fake, proxy) -> None:
     upstream = fake(echoing(UPGRADE))
-    px = proxy({"instances": [{"role": "prefill_decode", "url": upstream.url}]})
+    px = proxy(roster(combined=[upstream]))
     for n in (1, 2):
         r = requests.post(px.url + "/v1/chat/completions", json=_chat(f"question {n}"),
                           timeout=10)

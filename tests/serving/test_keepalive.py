@@ -20,7 +20,7 @@ from epd_flask.core import errors
 from epd_flask.upstream.transport import Transport
 from tests.bodies import completion
 from tests.fakes import Handler, response
-from tests.helpers import pd_roster
+from tests.rosters import roster
 
 COMPLETION = completion(max_tokens=4)
 
@@ -30,7 +30,7 @@ def race(sim, proxy, backend_idle: float, proxy_idle: float, rounds: int) -> dic
     and non-stream; returns what the client saw and what the proxy's pools did."""
     p = sim("prefill", keepalive_timeout=backend_idle)
     d = sim("decode", keepalive_timeout=backend_idle)
-    px = proxy(pd_roster([p], [d], decode_retries=0), upstream_idle_timeout=proxy_idle)
+    px = proxy(roster([p], [d], decode_retries=0), upstream_idle_timeout=proxy_idle)
     rng = random.Random(6)
     failures: list[str] = []
     client = requests.Session()

@@ -13,6 +13,7 @@ import requests
 
 from tests.bodies import completion, conversation
 from tests.helpers import eventually, scrape
+from tests.rosters import roster
 from tests.unit.test_kvaware import Publisher, publish_until_ready
 
 PROMPT = list(range(2000, 2000 + 40))  # ten blocks of the test engine's 4 tokens
@@ -29,10 +30,9 @@ def publishers() -> Any:
 def kv_fleet(sim, proxy, publishers: list[Publisher], n: int = 3) -> tuple[Any, list[Any]]:
     prefills = [sim("prefill") for _ in range(n)]
     publishers += [Publisher() for _ in range(n)]
-    doc = {"settings": {"routing": {"prefill": "kv_aware"}},
-           "instances": [{"role": "prefill", "url": p.url, "kv_events": pub.endpoint}
-                         for p, pub in zip(prefills, publishers, strict=True)]
-           + [{"role": "decode", "url": sim("decode").url}]}
+    doc = roster([(p, {"kv_events": pub.endpoint})
+                  for p, pub in zip(prefills, publishers, strict=True)],
+                 [sim("decode")], routing={"prefill": "kv_aware"})
     px = proxy(doc, probes=True)
     kv = px.services.kv_events
     assert eventually(lambda: len(kv.readers) == n
@@ -126,10 +126,8 @@ def publishing_prefills(sim: Any) -> list[Any]:
 
 def kv_aware_proxy(sim: Any, proxy: Any, prefills: list[Any]) -> tuple[Any, Any]:
     """A kv_aware proxy over ``prefills`` and a decode, once its readers are subscribed."""
-    doc = {"settings": {"routing": {"prefill": "kv_aware"}},
-           "instances": [{"role": "prefill", "url": p.url, "kv_events": events_endpoint(p.url)}
-                         for p in prefills]
-           + [{"role": "decode", "url": sim("decode", max_model_len=4096).url}]}
+    doc = roster([(p, {"kv_events": events_endpoint(p.url)}) for p in prefills],
+                 [sim("decode", max_model_len=4096)], routing={"prefill": "kv_aware"})
     px = proxy(doc, probes=True)
     kv = px.services.kv_events
     assert eventually(lambda: len(kv.readers) == 3

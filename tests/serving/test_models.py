@@ -10,6 +10,7 @@ import requests
 
 from tests.fakes import response
 from tests.helpers import eventually, scrape, total
+from tests.rosters import roster
 
 PROBE = 0.05
 
@@ -22,11 +23,10 @@ def chat(model: str | None, **extra: Any) -> dict[str, Any]:
     return body
 
 
-def roster(pairs: list[tuple[Any, Any]], **settings: Any) -> dict[str, Any]:
-    instances = [{"role": "prefill", "url": p.url} for p, _ in pairs]
-    instances += [{"role": "decode", "url": d.url} for _, d in pairs]
-    settings = {"probe_interval": PROBE, "fail_threshold": 2, **settings}
-    return {"settings": settings, "instances": instances}
+def paired(pairs: list[tuple[Any, Any]], **settings: Any) -> dict[str, Any]:
+    """Prefill/decode pairs probed often, evicted after two failures."""
+    return roster([p for p, _ in pairs], [d for _, d in pairs],
+                  **{"probe_interval": PROBE, "fail_threshold": 2, **settings})
 
 
 def listed(px: Any) -> dict[str, dict[str, Any]]:
@@ -51,7 +51,7 @@ def completions(*servers: Any) -> int:
 def two_pairs(sim: Any, proxy: Any, **settings: Any) -> tuple[Any, ...]:
     p1, d1 = sim("prefill", model="alpha"), sim("decode", model="alpha")
     p2, d2 = sim("prefill", model="beta"), sim("decode", model="beta")
-    px = proxy(roster([(p1, d1), (p2, d2)], **settings), probes=True)
+    px = proxy(paired([(p1, d1), (p2, d2)], **settings), probes=True)
     eventually(lambda: all(knows(px, s, m) for s, m in ((p1, "alpha"), (d1, "alpha"),
                                                          (p2, "beta"), (d2, "beta"))),
                what="every instance's models read")
@@ -91,7 +91,7 @@ def test_models_lists_the_union_once_with_vllm_cards(sim, proxy) -> None:
     p1, d1 = sim("prefill", model="alpha"), sim("decode", model="alpha")
     p2, d2, d3 = sim("prefill", model="beta"), sim("decode", model="beta"), \
         sim("decode", model="beta")
-    doc = roster([(p1, d1), (p2, d2)])
+    doc = paired([(p1, d1), (p2, d2)])
     doc["instances"].append({"role": "decode", "url": d3.url})
     px = proxy(doc, probes=True)
     eventually(lambda: knows(px, d3, "beta") and set(listed(px)) == {"alpha", "beta"},
@@ -217,7 +217,7 @@ def test_missing_model_needs_exactly_one_model(sim, proxy) -> None:
 
 def test_missing_model_in_a_one_model_fleet_is_forwarded_unchanged(sim, proxy) -> None:
     p, d = sim("prefill", model="alpha"), sim("decode", model="alpha")
-    px = proxy(roster([(p, d)]), probes=True)
+    px = proxy(paired([(p, d)]), probes=True)
     eventually(lambda: "alpha" in listed(px), what="discovery")
     load(d, "a-lora")  # an adapter does not make the fleet ambiguous: vLLM serves its base
     eventually(lambda: "a-lora" in listed(px), what="the adapter discovered")
@@ -231,13 +231,9 @@ def test_missing_model_in_a_one_model_fleet_is_forwarded_unchanged(sim, proxy) -
 def test_roster_models_route_without_discovery(sim, proxy) -> None:
     p1, d1 = sim("prefill", model="alpha"), sim("decode", model="alpha")
     p2, d2 = sim("prefill", model="beta"), sim("decode", model="beta")
-    doc = {"instances": [
-        {"role": "prefill", "url": p1.url, "models": ["alpha"]},
-        {"role": "decode", "url": d1.url, "models": ["alpha"]},
-        {"role": "prefill", "url": p2.url, "models": ["beta"]},
-        {"role": "decode", "url": d2.url, "models": ["beta"]},
-    ]}
-    px = proxy(doc)  # no probes: the roster alone says who serves what
+    alpha, beta = {"models": ["alpha"]}, {"models": ["beta"]}
+    # No probes: the roster alone says who serves what.
+    px = proxy(roster([(p1, alpha), (p2, beta)], [(d1, alpha), (d2, beta)]))
     for model in ("beta", "alpha", "beta"):
         r = requests.post(px.url + "/v1/chat/completions", json=chat(model), timeout=5)
         assert r.status_code == 200, r.text
@@ -251,9 +247,7 @@ def test_roster_models_route_without_discovery(sim, proxy) -> None:
 
 def test_combined_fleet_routes_by_model(sim, proxy) -> None:
     a, b = sim("prefill_decode", model="alpha"), sim("prefill_decode", model="beta")
-    doc = {"settings": {"probe_interval": PROBE},
-           "instances": [{"role": "prefill_decode", "url": s.url} for s in (a, b)]}
-    px = proxy(doc, probes=True)
+    px = proxy(roster(combined=[a, b], probe_interval=PROBE), probes=True)
     eventually(lambda: set(listed(px)) == {"alpha", "beta"}, what="discovery")
     for model in ("alpha", "beta", "beta"):
         r = requests.post(px.url + "/v1/completions",
@@ -311,9 +305,7 @@ def test_an_unreadable_model_list_keeps_the_last_known_one(fake, proxy) -> None:
             conn.sendall(response("200 OK", b""))
 
     d = fake(handle)
-    doc = {"settings": {"probe_interval": PROBE},
-           "instances": [{"role": "prefill_decode", "url": d.url}]}
-    px = proxy(doc, probes=True)
+    px = proxy(roster(combined=[d], probe_interval=PROBE), probes=True)
     state = px.services.registry.get(d.url)
     # The probes' read, not the listing: until they have read it, /v1/models passes through
     # to the instance and would show "alpha" before the proxy knows it.

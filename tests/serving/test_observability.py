@@ -16,7 +16,8 @@ import pytest
 import requests
 
 from tests.bodies import chat, completion, image, multimodal
-from tests.helpers import RawStream, eventually, free_port, pd_roster, sample, scrape, total
+from tests.helpers import RawStream, eventually, free_port, sample, scrape, total
+from tests.rosters import roster
 
 CHAT = chat(max_tokens=8, temperature=0)
 COMPLETION = completion(max_tokens=6)
@@ -36,7 +37,7 @@ def request_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
 def test_requests_are_counted_by_route_and_status_and_stages_timed_per_instance(
         sim, proxy) -> None:
     p, d = sim("prefill"), sim("decode")
-    px = proxy(pd_roster([p], [d]))
+    px = proxy(roster([p], [d]))
     before = scrape(px.url)
     assert requests.post(px.url + "/v1/chat/completions", json={**CHAT, "stream": True},
                          timeout=10).status_code == 200
@@ -72,7 +73,7 @@ def test_requests_are_counted_by_route_and_status_and_stages_timed_per_instance(
 def test_retries_and_upstream_errors_are_counted_by_cause_and_instance(sim, proxy) -> None:
     p, d = sim("prefill"), sim("decode")
     dead = f"http://127.0.0.1:{free_port()}"
-    doc = pd_roster([p], [d], decode_retries=1, fail_threshold=100)
+    doc = roster([p], [d], decode_retries=1, fail_threshold=100)
     doc["instances"].append({"role": "decode", "url": dead})
     px = proxy(doc)
     before = scrape(px.url)
@@ -87,7 +88,7 @@ def test_retries_and_upstream_errors_are_counted_by_cause_and_instance(sim, prox
                 cause="upstream_unavailable") == refused
     assert total(after, "epd_retries_total") - total(before, "epd_retries_total") == refused
 
-    single = proxy(pd_roster([p], [d], decode_retries=1))
+    single = proxy(roster([p], [d], decode_retries=1))
     before = scrape(single.url)
     d.state.inject(fail_next=2)
     failed = requests.post(single.url + "/v1/completions", json=COMPLETION, timeout=10)
@@ -104,7 +105,7 @@ def test_retries_and_upstream_errors_are_counted_by_cause_and_instance(sim, prox
 
 def test_in_flight_follows_an_open_stream(sim, proxy) -> None:
     p, d = sim("prefill"), sim("decode", token_delay=0.05, output_tokens=200)
-    px = proxy(pd_roster([p], [d]))
+    px = proxy(roster([p], [d]))
     client = RawStream(px.url, "/v1/chat/completions", {**CHAT, "max_tokens": 200,
                                                         "stream": True})
     client.first_event()
@@ -119,7 +120,7 @@ def test_in_flight_follows_an_open_stream(sim, proxy) -> None:
 def test_counters_that_alerts_watch_are_exported_before_their_first_event(sim, proxy) -> None:
     """Prometheus sees no increase in a counter whose first sample is already 1, so the
     first refusal or rejected reload would never alert (etc/prometheus/epd-flask.rules.yml)."""
-    px = proxy(pd_roster([sim("prefill")], [sim("decode")]))
+    px = proxy(roster([sim("prefill")], [sim("decode")]))
     names = {(name, dict(labels).get("reason") or dict(labels).get("outcome"))
              for name, labels in scrape(px.url)}
     assert {("epd_requests_refused_total", "overloaded"), ("epd_roster_reloads_total", "ok"),
@@ -128,7 +129,7 @@ def test_counters_that_alerts_watch_are_exported_before_their_first_event(sim, p
 
 def test_probe_failures_evictions_rejoins_and_live_gauges(sim, proxy) -> None:
     p, d1, d2 = sim("prefill"), sim("decode"), sim("decode")
-    px = proxy(pd_roster([p], [d1, d2], probe_interval=0.05, fail_threshold=2), probes=True)
+    px = proxy(roster([p], [d1, d2], probe_interval=0.05, fail_threshold=2), probes=True)
     assert eventually(lambda: sample(scrape(px.url), "epd_instance_last_probe_ok",
                                      role="decode", instance=d1.url) == 1)
     before = scrape(px.url)
@@ -154,7 +155,7 @@ def test_probe_failures_evictions_rejoins_and_live_gauges(sim, proxy) -> None:
 
 def test_status_page_shows_roster_state_and_stage_percentiles(sim, proxy) -> None:
     p, d1, d2 = sim("prefill"), sim("decode"), sim("decode")
-    px = proxy(pd_roster([p], [d1, d2], fail_threshold=1))
+    px = proxy(roster([p], [d1, d2], fail_threshold=1))
     px.services.history.sample()  # the window's start
     for _ in range(4):
         assert requests.post(px.url + "/v1/chat/completions", json={**CHAT, "stream": True},
@@ -193,8 +194,7 @@ def test_prefill_prompt_and_cached_tokens_are_counted_and_status_shows_the_share
         sim, proxy, connector) -> None:
     p = sim("prefill", prompt_tokens_details=True)
     d = sim("decode", prompt_tokens_details=True)
-    px = proxy({"settings": {"connector": connector}, "instances": [
-        {"role": "prefill", "url": p.url}, {"role": "decode", "url": d.url}]})
+    px = proxy(roster([p], [d], connector=connector))
     px.services.history.sample()  # the window's start
     before = scrape(px.url)
     body = completion("the quick brown fox jumps " * 24, max_tokens=2)
@@ -235,7 +235,7 @@ def plotted(svg: ElementTree.Element) -> list[list[tuple[float, float]]]:
 def test_status_page_plots_the_last_minutes_as_inline_svg(sim, proxy) -> None:
     p = sim("prefill")
     d1, d2 = (sim("decode", token_delay=0.02, output_tokens=300) for _ in range(2))
-    px = proxy(pd_roster([p], [d1, d2], decode_retries=0))
+    px = proxy(roster([p], [d1, d2], decode_retries=0))
     history = px.services.history
     history.sample()
     for _ in range(4):
@@ -288,7 +288,7 @@ def test_status_page_plots_the_last_minutes_as_inline_svg(sim, proxy) -> None:
 def test_one_log_line_per_request_with_instances_and_stage_timings(
         sim, proxy, caplog: pytest.LogCaptureFixture) -> None:
     p, d = sim("prefill"), sim("decode")
-    px = proxy(pd_roster([p], [d]))
+    px = proxy(roster([p], [d]))
     with caplog.at_level(logging.INFO, logger="epd_flask"):
         r = requests.post(px.url + "/v1/chat/completions", json={**CHAT, "stream": True},
                           headers={"X-Request-Id": "log-me-1"}, timeout=10)
@@ -312,7 +312,7 @@ def test_one_log_line_per_request_with_instances_and_stage_timings(
 def test_json_log_lines_and_the_upstream_call_switch(
         sim, proxy, caplog: pytest.LogCaptureFixture) -> None:
     p, d = sim("prefill"), sim("decode")
-    px = proxy(pd_roster([p], [d]), log_format="json", log_upstream=True)
+    px = proxy(roster([p], [d]), log_format="json", log_upstream=True)
     with caplog.at_level(logging.INFO, logger="epd_flask"):
         assert requests.post(px.url + "/v1/completions", json=COMPLETION, timeout=10).ok
     (line,) = request_lines(caplog)
@@ -334,7 +334,7 @@ ADMIN = {"X-API-Key": ADMIN_KEY}
 def test_profiling_reaches_every_live_instance_and_reports_each(sim, proxy) -> None:
     p1, p2 = sim("prefill", profiler=True), sim("prefill")
     d1, d2 = sim("decode", profiler=True), sim("decode", profiler=True)
-    px = proxy(pd_roster([p1, p2], [d1, d2]), admin_api_key=ADMIN_KEY)
+    px = proxy(roster([p1, p2], [d1, d2]), admin_api_key=ADMIN_KEY)
     r = requests.post(px.url + "/start_profile", headers=ADMIN, timeout=10)
     assert r.status_code == 200, r.text
     doc = r.json()
@@ -351,7 +351,7 @@ def test_profiling_reports_failures_and_evicted_instances(sim, proxy) -> None:
     p, d = sim("prefill", profiler=True), sim("decode", profiler=True)
     dead = f"http://127.0.0.1:{free_port()}"
     gone = sim("decode", profiler=True)
-    doc = pd_roster([p], [d, gone], fail_threshold=1)
+    doc = roster([p], [d, gone], fail_threshold=1)
     doc["instances"].append({"role": "decode", "url": dead})
     px = proxy(doc, admin_api_key=ADMIN_KEY)
     px.services.registry.record_failure(gone.url, "test: evicted")
@@ -362,7 +362,7 @@ def test_profiling_reports_failures_and_evicted_instances(sim, proxy) -> None:
     outcome = {i["url"]: i["outcome"] for i in body["instances"]}
     assert outcome == {p.url: "ok", d.url: "ok", dead: "failed", gone.url: "skipped"}
     assert gone.state.stats()["profiles_started"] == 0
-    nobody = proxy(pd_roster([sim("prefill")], [sim("decode")]), admin_api_key=ADMIN_KEY)
+    nobody = proxy(roster([sim("prefill")], [sim("decode")]), admin_api_key=ADMIN_KEY)
     r = requests.post(nobody.url + "/start_profile", headers=ADMIN, timeout=10)
     assert r.status_code == 503 and r.json()["not_found"] == 2
 
@@ -373,11 +373,11 @@ def test_profiling_is_an_operator_action(sim, proxy, action: str) -> None:
     one configured the switch is off like the admin API."""
     serving = "sk-serving-one-0123456789"
     p, d = sim("prefill", profiler=True), sim("decode", profiler=True)
-    off = proxy(pd_roster([p], [d]), api_keys=(serving,))
+    off = proxy(roster([p], [d]), api_keys=(serving,))
     r = requests.post(off.url + f"/{action}_profile", timeout=10,
                       headers={"Authorization": f"Bearer {serving}", **ADMIN})
     assert r.status_code == 403 and r.json()["error"]["code"] == "admin_api_disabled"
-    px = proxy(pd_roster([p], [d]), api_keys=(serving,), admin_api_key=ADMIN_KEY)
+    px = proxy(roster([p], [d]), api_keys=(serving,), admin_api_key=ADMIN_KEY)
     for headers, code in (({}, "missing_admin_key"),
                           ({"Authorization": f"Bearer {serving}"}, "invalid_admin_key"),
                           ({"X-API-Key": "wrong"}, "invalid_admin_key")):
@@ -392,13 +392,13 @@ def test_profiling_is_an_operator_action(sim, proxy, action: str) -> None:
 @pytest.mark.parametrize("header", [ADMIN, {"Authorization": f"Bearer {ADMIN_KEY}"}])
 def test_profiling_sends_the_backend_key_never_the_callers(sim, proxy, header) -> None:
     p, d = sim("prefill", profiler=True), sim("decode", profiler=True)
-    keyed = proxy(pd_roster([p], [d]), admin_api_key=ADMIN_KEY, backend_api_key="sk-fleet")
+    keyed = proxy(roster([p], [d]), admin_api_key=ADMIN_KEY, backend_api_key="sk-fleet")
     assert requests.post(keyed.url + "/start_profile", headers=header, timeout=10).ok
     for server in (p, d):
         seen = server.state.requests(1)[0]["headers"]
         assert seen["authorization"] == "Bearer sk-fleet"
         assert ADMIN_KEY not in json.dumps(seen)
-    plain = proxy(pd_roster([p], [d]), admin_api_key=ADMIN_KEY)
+    plain = proxy(roster([p], [d]), admin_api_key=ADMIN_KEY)
     assert requests.post(plain.url + "/stop_profile", headers=header, timeout=10).ok
     for server in (p, d):
         seen = server.state.requests(1)[0]["headers"]
@@ -409,9 +409,7 @@ def test_multimodal_epd_request_logs_all_five_stage_timings(
         sim, proxy, caplog: pytest.LogCaptureFixture) -> None:
     e0, e1 = sim("encode", ttft=0.05), sim("encode", ttft=0.05)
     p, d = sim("prefill"), sim("decode")
-    doc = {"instances": [{"role": "encode", "url": e0.url}, {"role": "encode", "url": e1.url},
-                         {"role": "prefill", "url": p.url}, {"role": "decode", "url": d.url}]}
-    px = proxy(doc, log_upstream=True)
+    px = proxy(roster([p], [d], encoders=[e0, e1]), log_upstream=True)
     images = [image(f"https://media.invalid/{i}.png") for i in range(3)]
     body = {**CHAT, **multimodal(*images, stream=True)}
     before = scrape(px.url)
@@ -443,9 +441,7 @@ def test_multimodal_epd_request_logs_all_five_stage_timings(
 
 def test_a_failing_encoder_is_counted_against_that_encoder(sim, proxy) -> None:
     e, p, d = sim("encode"), sim("prefill"), sim("decode")
-    doc = {"instances": [{"role": "encode", "url": e.url}, {"role": "prefill", "url": p.url},
-                         {"role": "decode", "url": d.url}]}
-    px = proxy(doc)
+    px = proxy(roster([p], [d], encoders=[e]))
     e.state.inject(fail_next=1, fail_status=500)
     body = {**CHAT, **chat([image("https://media.invalid/x.png")])}
     before = scrape(px.url)
@@ -460,7 +456,7 @@ def test_a_failing_encoder_is_counted_against_that_encoder(sim, proxy) -> None:
 
 def test_a_body_over_the_limit_is_logged_and_counted_too(
         sim, proxy, caplog: pytest.LogCaptureFixture) -> None:
-    px = proxy(pd_roster([sim("prefill")], [sim("decode")]), max_body_bytes=100)
+    px = proxy(roster([sim("prefill")], [sim("decode")]), max_body_bytes=100)
     before = scrape(px.url)
     with caplog.at_level(logging.INFO, logger="epd_flask"):
         r = requests.post(px.url + "/v1/completions", json={"prompt": "x" * 500}, timeout=5)
@@ -480,7 +476,7 @@ def test_a_failing_observer_never_breaks_a_request(sim, proxy, caplog) -> None:
     hooks = (events.upstream_opened, events.upstream_closed, events.request_finished,
              events.load)
     p, d = sim("prefill"), sim("decode")
-    px = proxy(pd_roster([p], [d]))
+    px = proxy(roster([p], [d]))
     for hook in hooks:
         hook.add_listener(broken)
     try:

@@ -9,7 +9,8 @@ import gevent
 import requests
 
 from tests.bodies import chat
-from tests.helpers import RawStream, eventually, pd_roster
+from tests.helpers import RawStream, eventually
+from tests.rosters import roster
 
 CHAT = chat(temperature=0)
 LONG = {**CHAT, "max_tokens": 400, "stream": True}
@@ -36,7 +37,7 @@ def read_to_end(client: RawStream) -> bytes:
 
 def test_past_the_cap_requests_get_503_with_retry_after_at_once(sim, proxy) -> None:
     p, d = sim("prefill"), sim("decode", token_delay=0.05, output_tokens=400)
-    px = proxy(pd_roster([p], [d]), max_in_flight=2)
+    px = proxy(roster([p], [d]), max_in_flight=2)
     streams = [RawStream(px.url, "/v1/chat/completions", LONG) for _ in range(2)]
     for s in streams:
         s.first_event()
@@ -72,7 +73,7 @@ def test_past_the_cap_requests_get_503_with_retry_after_at_once(sim, proxy) -> N
 
 def test_slots_are_released_by_errors_and_finished_streams(sim, proxy) -> None:
     p, d = sim("prefill"), sim("decode", output_tokens=5)
-    px = proxy(pd_roster([p], [d]), max_in_flight=1)
+    px = proxy(roster([p], [d]), max_in_flight=1)
     for _ in range(3):
         bad = requests.post(px.url + "/v1/chat/completions", data=b"[]", timeout=5,
                             headers={"Content-Type": "application/json"})
@@ -90,7 +91,7 @@ def test_slots_are_released_by_errors_and_finished_streams(sim, proxy) -> None:
 
 def test_drain_lets_short_streams_finish_and_ends_long_ones_in_band(sim, proxy) -> None:
     p, d = sim("prefill"), sim("decode", token_delay=0.05, output_tokens=400)
-    px = proxy(pd_roster([p], [d]))
+    px = proxy(roster([p], [d]))
     long = RawStream(px.url, "/v1/chat/completions", LONG)
     short = RawStream(px.url, "/v1/chat/completions", {**LONG, "max_tokens": 6})
     long.first_event()
@@ -116,7 +117,7 @@ def test_drain_lets_short_streams_finish_and_ends_long_ones_in_band(sim, proxy) 
 
 def test_drain_turns_a_request_still_waiting_for_prefill_into_a_503(sim, proxy) -> None:
     p, d = sim("prefill", ttft=30.0), sim("decode")
-    px = proxy(pd_roster([p], [d]))
+    px = proxy(roster([p], [d]))
     waiting = gevent.spawn(requests.post, px.url + "/v1/chat/completions",
                            json={**CHAT, "max_tokens": 4}, timeout=20)
     eventually(lambda: p.state.stats()["in_flight"], what="the request waiting for prefill")

@@ -15,6 +15,7 @@ from gevent.pywsgi import WSGIServer
 
 from tests.bodies import completion
 from tests.helpers import NoDelayHandler
+from tests.rosters import roster
 
 ADMIN = "admin-key-abcdefghijkl"
 HANDLES = {"do_remote_prefill": True, "remote_engine_id": "someone-elses-engine",
@@ -60,9 +61,7 @@ def upstream(proxy, sim) -> Iterator[Any]:
 
     def start(**config: Any) -> Any:
         p = sim("prefill")
-        roster = {"instances": [{"role": "prefill", "url": p.url},
-                                {"role": "decode", "url": rec.url}]}
-        return rec, proxy(roster, **config)
+        return rec, proxy(roster([p], [rec]), **config)
 
     yield start
     rec.server.stop(timeout=1)
@@ -157,7 +156,7 @@ def test_the_admin_credential_never_reaches_an_instance(upstream, path) -> None:
 
 def test_a_combined_instance_never_sees_the_clients_kv_transfer_params(sim, proxy) -> None:
     pd = sim("prefill_decode")
-    px = proxy({"instances": [{"role": "prefill_decode", "url": pd.url}]})
+    px = proxy(roster(combined=[pd]))
     r = requests.post(px.url + "/v1/completions",
                       json=completion("hi", max_tokens=2, kv_transfer_params=HANDLES), timeout=10)
     assert r.status_code == 200, r.text

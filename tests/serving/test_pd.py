@@ -12,7 +12,8 @@ import requests
 from gevent.pywsgi import WSGIServer
 
 from tests.bodies import chat, completion
-from tests.helpers import RawStream, eventually, pd_roster
+from tests.helpers import RawStream, eventually
+from tests.rosters import roster
 
 CHAT = chat(max_tokens=8, temperature=0)
 COMPLETION = completion(max_tokens=6)
@@ -29,7 +30,7 @@ def completions_seen(*servers) -> int:
 
 def test_pd_non_stream_decode_gets_prefill_handles(sim, proxy) -> None:
     p, d = sim("prefill"), sim("decode")
-    px = proxy(pd_roster([p], [d]))
+    px = proxy(roster([p], [d]))
     r = requests.post(px.url + "/v1/completions", json=COMPLETION, timeout=10)
     assert r.status_code == 200, r.text
     doc = r.json()
@@ -47,7 +48,7 @@ def test_pd_non_stream_decode_gets_prefill_handles(sim, proxy) -> None:
 
 def test_stream_chat_relays_every_event_and_done(sim, proxy) -> None:
     p, d = sim("prefill"), sim("decode")
-    px = proxy(pd_roster([p], [d]))
+    px = proxy(roster([p], [d]))
     body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
     r = requests.post(px.url + "/v1/chat/completions", json=body, timeout=10)
     assert r.status_code == 200
@@ -67,7 +68,7 @@ def test_stream_chat_relays_every_event_and_done(sim, proxy) -> None:
 def test_relayed_bytes_equal_what_decode_sends_directly(sim, proxy) -> None:
     """Multi-byte characters split across chunks survive: the relay moves bytes, not text."""
     p, d = sim("prefill"), sim("decode", output_tokens=40)
-    px = proxy(pd_roster([p], [d]))
+    px = proxy(roster([p], [d]))
     body = {**COMPLETION, "max_tokens": 40, "stream": True, "temperature": 0}
     via_proxy = requests.post(px.url + "/v1/completions", json=body, timeout=10)
     direct = requests.post(d.url + "/v1/completions", json=body, timeout=10)
@@ -83,7 +84,7 @@ def test_client_request_id_comes_back_and_upstream_gets_our_own(sim, proxy, capl
     """The client's id is for the client and the logs; instances key state on the id they
     get, so every proxied request gets a new one that both of its legs share."""
     p, d = sim("prefill"), sim("decode")
-    px = proxy(pd_roster([p], [d]))
+    px = proxy(roster([p], [d]))
     with caplog.at_level(logging.INFO, logger="epd_flask.requests"):
         r = requests.post(px.url + "/v1/completions", json=COMPLETION,
                           headers={"X-Request-Id": "client-abc-1"}, timeout=10)
@@ -105,7 +106,7 @@ def test_client_request_id_comes_back_and_upstream_gets_our_own(sim, proxy, capl
 
 def test_only_allowlisted_headers_are_forwarded(sim, proxy) -> None:
     p, d = sim("prefill"), sim("decode")
-    px = proxy(pd_roster([p], [d]))
+    px = proxy(roster([p], [d]))
     requests.post(px.url + "/v1/completions", json=COMPLETION, timeout=10,
                   headers={"Authorization": "Bearer sk-1", "Cookie": "session=1"})
     seen = d.state.requests(1)[0]["headers"]
@@ -115,8 +116,7 @@ def test_only_allowlisted_headers_are_forwarded(sim, proxy) -> None:
 
 def test_combined_pd_instances_get_the_request_directly(sim, proxy) -> None:
     pd1, pd2 = sim("prefill_decode"), sim("prefill_decode")
-    px = proxy({"instances": [{"role": "prefill_decode", "url": pd1.url},
-                              {"role": "prefill_decode", "url": pd2.url}]})
+    px = proxy(roster(combined=[pd1, pd2]))
     for _ in range(4):
         r = requests.post(px.url + "/v1/chat/completions", json=CHAT, timeout=10)
         assert r.status_code == 200
@@ -128,7 +128,7 @@ def test_combined_pd_instances_get_the_request_directly(sim, proxy) -> None:
 def test_round_robin_spreads_prefill_and_decode(sim, proxy) -> None:
     ps = [sim("prefill"), sim("prefill")]
     ds = [sim("decode"), sim("decode")]
-    px = proxy(pd_roster(ps, ds))
+    px = proxy(roster(ps, ds))
     for _ in range(6):
         assert requests.post(px.url + "/v1/completions", json=COMPLETION, timeout=10).ok
     assert [s.state.stats()["completions"] for s in ps + ds] == [3, 3, 3, 3]
@@ -137,7 +137,7 @@ def test_round_robin_spreads_prefill_and_decode(sim, proxy) -> None:
 
 def test_decode_500_once_is_retried_with_a_fresh_prefill(sim, proxy) -> None:
     p, d = sim("prefill"), sim("decode")
-    px = proxy(pd_roster([p], [d], decode_retries=1))
+    px = proxy(roster([p], [d], decode_retries=1))
     d.state.inject(fail_next=1)
     r = requests.post(px.url + "/v1/chat/completions", json={**CHAT, "stream": True},
                       timeout=10)
@@ -151,7 +151,7 @@ def test_decode_500_once_is_retried_with_a_fresh_prefill(sim, proxy) -> None:
 
 def test_decode_500_beyond_retries_reaches_the_client(sim, proxy) -> None:
     p, d = sim("prefill"), sim("decode")
-    px = proxy(pd_roster([p], [d], decode_retries=1))
+    px = proxy(roster([p], [d], decode_retries=1))
     d.state.inject(fail_next=5)
     r = requests.post(px.url + "/v1/completions", json=COMPLETION, timeout=10)
     assert r.status_code == 500
@@ -161,7 +161,7 @@ def test_decode_500_beyond_retries_reaches_the_client(sim, proxy) -> None:
 
 def test_decode_dying_mid_stream_ends_with_an_error_event(sim, proxy) -> None:
     p, d = sim("prefill"), sim("decode", output_tokens=20)
-    px = proxy(pd_roster([p], [d], decode_retries=3))
+    px = proxy(roster([p], [d], decode_retries=3))
     d.state.inject(drop_after=3)
     r = requests.post(px.url + "/v1/completions", json={**COMPLETION, "max_tokens": 20,
                                                         "stream": True}, timeout=10)
@@ -178,7 +178,7 @@ def test_decode_dying_mid_stream_ends_with_an_error_event(sim, proxy) -> None:
 
 def test_body_that_is_not_an_object_is_400_and_no_backend_is_called(sim, proxy) -> None:
     p, d = sim("prefill"), sim("decode")
-    px = proxy(pd_roster([p], [d]))
+    px = proxy(roster([p], [d]))
     for raw in (b"[1,2]", b"42", b"{", b""):
         r = requests.post(px.url + "/v1/chat/completions", data=raw, timeout=10,
                           headers={"Content-Type": "application/json"})
@@ -192,7 +192,7 @@ def test_body_that_is_not_an_object_is_400_and_no_backend_is_called(sim, proxy) 
 
 def test_no_decode_is_503_and_prefill_is_not_called(sim, proxy) -> None:
     p = sim("prefill")
-    px = proxy(pd_roster([p], []))
+    px = proxy(roster([p], []))
     r = requests.post(px.url + "/v1/completions", json=COMPLETION, timeout=10)
     assert r.status_code == 503
     assert r.json()["error"]["code"] == "no_backend"
@@ -206,8 +206,7 @@ def test_unreachable_decode_is_503_never_partial_output(sim, proxy) -> None:
     dead.bind(("127.0.0.1", 0))
     port = dead.getsockname()[1]
     dead.close()
-    px = proxy({"instances": [{"role": "prefill", "url": p.url},
-                              {"role": "decode", "url": f"http://127.0.0.1:{port}"}]})
+    px = proxy(roster([p], [f"http://127.0.0.1:{port}"]))
     r = requests.post(px.url + "/v1/chat/completions", json={**CHAT, "stream": True}, timeout=10)
     assert r.status_code == 503
     assert r.json()["error"]["code"] == "upstream_unavailable"
@@ -219,10 +218,8 @@ def test_evicted_decode_is_skipped_by_the_passive_signal(sim, proxy) -> None:
     dead.bind(("127.0.0.1", 0))
     port = dead.getsockname()[1]
     dead.close()
-    px = proxy({"settings": {"fail_threshold": 1, "decode_retries": 1},
-                "instances": [{"role": "prefill", "url": p.url},
-                              {"role": "decode", "url": f"http://127.0.0.1:{port}"},
-                              {"role": "decode", "url": good.url}]})
+    px = proxy(roster([p], [f"http://127.0.0.1:{port}", good], fail_threshold=1,
+                      decode_retries=1))
     for _ in range(4):
         assert requests.post(px.url + "/v1/completions", json=COMPLETION, timeout=10).ok
     assert good.state.stats()["completions"] == 4
@@ -232,7 +229,7 @@ def test_evicted_decode_is_skipped_by_the_passive_signal(sim, proxy) -> None:
 
 def test_prefill_rejecting_the_request_is_relayed_and_decode_not_called(sim, proxy) -> None:
     p, d = sim("prefill"), sim("decode")
-    px = proxy(pd_roster([p], [d]))
+    px = proxy(roster([p], [d]))
     r = requests.post(px.url + "/v1/completions", json={**COMPLETION, "model": "nope"},
                       timeout=10)
     assert r.status_code == 404
@@ -257,8 +254,7 @@ def test_incomplete_prefill_handles_are_not_forwarded(sim, proxy) -> None:
     fake = WSGIServer(("127.0.0.1", 0), partial_prefill, log=None)
     fake.start()
     try:
-        px = proxy({"instances": [{"role": "prefill", "url": f"http://127.0.0.1:{fake.server_port}"},
-                                  {"role": "decode", "url": d.url}]})
+        px = proxy(roster([f"http://127.0.0.1:{fake.server_port}"], [d]))
         r = requests.post(px.url + "/v1/completions", json=COMPLETION, timeout=10)
         assert r.status_code == 200
         assert d.state.stats()["kv_handles_absent"] == 1
@@ -269,7 +265,7 @@ def test_incomplete_prefill_handles_are_not_forwarded(sim, proxy) -> None:
 
 def test_first_token_arrives_before_decode_finishes(sim, proxy) -> None:
     p, d = sim("prefill"), sim("decode", token_delay=0.05, output_tokens=10)
-    px = proxy(pd_roster([p], [d]))
+    px = proxy(roster([p], [d]))
     body = {**CHAT, "max_tokens": 10, "stream": True}
     with requests.post(px.url + "/v1/chat/completions", json=body, stream=True,
                        timeout=10) as r:
@@ -286,7 +282,7 @@ def test_first_token_arrives_before_decode_finishes(sim, proxy) -> None:
 
 def test_client_disconnect_aborts_the_decode_stream(sim, proxy) -> None:
     p, d = sim("prefill"), sim("decode", token_delay=0.05, output_tokens=200)
-    px = proxy(pd_roster([p], [d]))
+    px = proxy(roster([p], [d]))
     client = RawStream(px.url, "/v1/chat/completions", {**CHAT, "max_tokens": 200,
                                                          "stream": True})
     client.first_event()
@@ -301,7 +297,7 @@ def test_client_disconnect_aborts_the_decode_stream(sim, proxy) -> None:
 
 def test_get_and_other_posts_pass_through_with_query(sim, proxy) -> None:
     p, d = sim("prefill"), sim("decode")
-    px = proxy(pd_roster([p], [d]))
+    px = proxy(roster([p], [d]))
     r = requests.get(px.url + "/version?limit=5&x=%20y", timeout=10)
     assert r.status_code == 200 and r.json()["version"]
     seen = d.state.requests(1)[0]
@@ -320,7 +316,7 @@ def test_get_and_other_posts_pass_through_with_query(sim, proxy) -> None:
 
 def test_health_and_readiness(sim, proxy) -> None:
     p, d = sim("prefill"), sim("decode")
-    px = proxy(pd_roster([p], [d]))
+    px = proxy(roster([p], [d]))
     health = requests.get(px.url + "/health", timeout=5)
     assert health.status_code == 200
     assert health.json()["instances"]["decode"]["live"] == [d.url]
@@ -328,11 +324,11 @@ def test_health_and_readiness(sim, proxy) -> None:
     assert requests.get(px.url + "/ready", timeout=5).status_code == 503
     px.services.prober.probe_all()
     assert requests.get(px.url + "/ready", timeout=5).status_code == 200
-    empty = proxy({"instances": []})
+    empty = proxy(roster())
     assert requests.get(empty.url + "/health", timeout=5).status_code == 200
     not_ready = requests.get(empty.url + "/ready", timeout=5)
     assert not_ready.status_code == 503 and "decode" in not_ready.json()["reason"]
-    only_decode = proxy(pd_roster([], [d]))
+    only_decode = proxy(roster([], [d]))
     assert requests.get(only_decode.url + "/ready", timeout=5).status_code == 503
 
 
@@ -341,7 +337,7 @@ def test_healthcheck_is_readiness_and_never_reaches_decode(sim, proxy) -> None:
     ``/ready``: a probe moved from one sees readiness, not decode's answer to an unknown
     route."""
     p, d = sim("prefill"), sim("decode")
-    px = proxy(pd_roster([p], [d]))
+    px = proxy(roster([p], [d]))
     before = requests.get(px.url + "/healthcheck", timeout=5)
     assert before.status_code == 503 and before.json()["ready"] is False
     px.services.prober.probe_all()
@@ -353,7 +349,7 @@ def test_healthcheck_is_readiness_and_never_reaches_decode(sim, proxy) -> None:
 
 def test_probes_evict_an_unhealthy_instance_and_readmit_it(sim, proxy) -> None:
     p, d1, d2 = sim("prefill"), sim("decode"), sim("decode")
-    px = proxy(pd_roster([p], [d1, d2], probe_interval=0.05, fail_threshold=2), probes=True)
+    px = proxy(roster([p], [d1, d2], probe_interval=0.05, fail_threshold=2), probes=True)
     d1.state.inject(health_fail=True)
     eventually(lambda: d1.url not in px.services.registry.snapshot()["decode"]["live"])
     assert px.services.registry.snapshot()["decode"]["evicted"] == [d1.url]

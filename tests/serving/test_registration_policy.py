@@ -11,7 +11,7 @@ import requests
 import yaml
 
 from epd_flask.control.urlpolicy import URLPolicy, URLPolicyError, check_instance_url
-from tests.helpers import pd_roster
+from tests.rosters import roster
 
 KEY = "s3cret-admin"
 LOOP = "__proxy_port__"
@@ -59,7 +59,7 @@ TABLE: list[tuple[str, str, bool]] = [
 @pytest.fixture
 def admin(sim, proxy, tmp_path: Path) -> Any:
     p, d = sim("prefill"), sim("decode")
-    doc = pd_roster([p], [d])
+    doc = roster([p], [d])
     path = tmp_path / "roster.yaml"
     path.write_text(yaml.safe_dump(doc))
     return proxy(doc, roster_path=str(path), admin_api_key=KEY), path

@@ -15,7 +15,8 @@ from epd_flask.serving.context import RequestContext
 from epd_flask.upstream.transport import Transport
 from tests.bodies import chat_stream
 from tests.fakes import LAST_CHUNK, SSE_HEAD, chunk
-from tests.helpers import eventually, pd_roster
+from tests.helpers import eventually
+from tests.rosters import roster
 
 CHAT = chat_stream("hi", max_tokens=4)
 MB = 1024 * 1024
@@ -80,7 +81,7 @@ def _stall_watch(samples: list[float], stop: list[bool]) -> None:
 def test_a_16_mb_event_passes_without_stalling_the_worker(sim, proxy, fake) -> None:
     p = sim("prefill")
     d = fake(_huge_event_then_done(16 * MB))
-    px = proxy(pd_roster([p], [d], decode_retries=0), max_event_bytes=64 * MB)
+    px = proxy(roster([p], [d], decode_retries=0), max_event_bytes=64 * MB)
     gaps: list[float] = []
     stop: list[bool] = []
     watcher = gevent.spawn(_stall_watch, gaps, stop)
@@ -101,7 +102,7 @@ def test_an_event_past_the_limit_ends_the_stream_in_band_and_closes_decode(sim, 
     p = sim("prefill")
     cut: list[str] = []
     d = fake(_huge_event_then_done(64 * MB, cut))
-    px = proxy(pd_roster([p], [d], decode_retries=0), max_event_bytes=MB)
+    px = proxy(roster([p], [d], decode_retries=0), max_event_bytes=MB)
     r = requests.post(px.url + "/v1/chat/completions", json=CHAT, timeout=30)
     assert r.status_code == 200
     events = [e for e in r.text.split("\n\n") if e]

@@ -10,7 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import requests
 
 from tests import bodies
-from tests.helpers import eventually, pd_roster
+from tests.helpers import eventually
+from tests.rosters import roster
 
 SYSTEM = {"role": "system", "content": "You answer in one short sentence. " * 20}
 TURN1 = [SYSTEM, {"role": "user", "content": "What does a prefix cache keep?"}]
@@ -32,7 +33,7 @@ def cached(answer: dict) -> int:
 def two_turns_three_times(sim, proxy, policy: str) -> tuple[list[int], list[int]]:
     ps = [sim("prefill", prompt_tokens_details=True, max_model_len=4096) for _ in range(3)]
     ds = [sim("decode", max_model_len=4096)]
-    px = proxy(pd_roster(ps, ds, routing={"prefill": policy}))
+    px = proxy(roster(ps, ds, routing={"prefill": policy}))
     hits = []
     for _ in range(3):
         hits.append(cached(chat(px.url, TURN1)))
@@ -52,7 +53,7 @@ def test_prefix_keeps_a_conversation_on_one_prefill_and_it_reports_cached_tokens
 
 def test_session_keeps_a_user_on_one_decode(sim, proxy) -> None:
     ds = [sim("decode") for _ in range(3)]
-    px = proxy(pd_roster([sim("prefill")], ds, routing={"decode": "session"}))
+    px = proxy(roster([sim("prefill")], ds, routing={"decode": "session"}))
     for i in range(4):
         chat(px.url, [{"role": "user", "content": f"question {i}"}], user="alice")
     assert sorted(d.state.stats()["completions"] for d in ds) == [0, 0, 4]
@@ -60,7 +61,7 @@ def test_session_keeps_a_user_on_one_decode(sim, proxy) -> None:
 
 def test_session_header_keys_session_affinity_before_user(sim, proxy) -> None:
     ds = [sim("decode") for _ in range(4)]
-    px = proxy(pd_roster([sim("prefill")], ds, routing={"decode": "session"},
+    px = proxy(roster([sim("prefill")], ds, routing={"decode": "session"},
                          session_header="X-Session-Id"))
     for i in range(6):  # a different user each time, one session header
         r = requests.post(px.url + "/v1/chat/completions", timeout=10, headers={
@@ -71,7 +72,7 @@ def test_session_header_keys_session_affinity_before_user(sim, proxy) -> None:
 
 def test_short_prompts_skip_prefill_and_long_ones_do_not(sim, proxy, caplog) -> None:
     p, d = sim("prefill", max_model_len=4096), sim("decode", max_model_len=4096)
-    px = proxy(pd_roster([p], [d], disaggregate_min_prompt_tokens=64))
+    px = proxy(roster([p], [d], disaggregate_min_prompt_tokens=64))
     with caplog.at_level(logging.INFO, logger="epd_flask.requests"):
         chat(px.url, [{"role": "user", "content": "hi"}])
     assert p.state.stats()["completions"] == 0 and d.state.stats()["completions"] == 1
@@ -83,7 +84,7 @@ def test_short_prompts_skip_prefill_and_long_ones_do_not(sim, proxy, caplog) -> 
 
 def test_decisions_are_logged_and_counted(sim, proxy, caplog) -> None:
     ps = [sim("prefill"), sim("prefill")]
-    px = proxy(pd_roster(ps, [sim("decode"), sim("decode")],
+    px = proxy(roster(ps, [sim("decode"), sim("decode")],
                          routing={"prefill": "prefix", "decode": "least_loaded"}))
     with caplog.at_level(logging.INFO, logger="epd_flask.requests"):
         chat(px.url, TURN1)
@@ -101,7 +102,7 @@ def test_least_loaded_prefill_counts_the_prompt_tokens_in_flight(sim, proxy, cap
     """A prefill's load is the estimated tokens it is computing, not its count of calls:
     one long prompt in flight makes its instance the busier one for the next request."""
     ps = [sim("prefill", ttft=1.0, max_model_len=4096) for _ in range(2)]
-    px = proxy(pd_roster(ps, [sim("decode", max_model_len=4096)],
+    px = proxy(roster(ps, [sim("decode", max_model_len=4096)],
                          routing={"prefill": "least_loaded"}))
     long_prompt = [{"role": "user", "content": "Summarise this. " + "word " * 600}]
     pool = ThreadPoolExecutor(1)

@@ -17,7 +17,8 @@ import pytest
 import requests
 
 from tests.bodies import chat
-from tests.helpers import eventually, pd_roster
+from tests.helpers import eventually
+from tests.rosters import roster
 
 PROMPTS = ("the first client asks about apples", "the second client asks about the weather")
 CLIENT_ID = "same-id-1"
@@ -50,19 +51,15 @@ def _fleet(connector: str, sim, proxy) -> tuple[Any, Any, Any]:
     if connector == "mooncake":
         p = sim("prefill", bootstrap_port=0, **knobs_p)
         d = sim("decode", **knobs_d)
-        doc = {"settings": {"connector": "mooncake"}, "instances": [
-            {"role": "prefill", "url": p.url, "bootstrap_url": p.bootstrap_url},
-            {"role": "decode", "url": d.url}]}
-        px = proxy(doc, probes=True)
+        px = proxy(roster([(p, {"bootstrap_url": p.bootstrap_url})], [d], connector="mooncake"),
+                   probes=True)
         assert eventually(lambda: requests.get(px.url + "/ready", timeout=5).ok)
         return p, d, px
     p, d = sim("prefill", **knobs_p), sim("decode", **knobs_d)
     if connector == "p2p_nccl":
-        doc = {"settings": {"connector": "p2p_nccl"}, "instances": [
-            {"role": "prefill", "url": p.url, "kv_zmq_addr": "127.0.0.1:21001"},
-            {"role": "decode", "url": d.url, "kv_zmq_addr": "127.0.0.1:22001"}]}
-        return p, d, proxy(doc)
-    return p, d, proxy(pd_roster([p], [d], connector=connector))
+        return p, d, proxy(roster([(p, {"kv_zmq_addr": "127.0.0.1:21001"})],
+                                  [(d, {"kv_zmq_addr": "127.0.0.1:22001"})], connector="p2p_nccl"))
+    return p, d, proxy(roster([p], [d], connector=connector))
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -16,9 +16,9 @@ from epd_flask.control.roster import parse
 from epd_flask.core.errors import instance_label
 from epd_flask.sim import SimConfig, SimServer
 from epd_flask.upstream.tls import TLSConfigError
+from tests import rosters
 from tests.bodies import completion
 from tests.certs import issue, make_ca
-from tests.helpers import pd_roster
 
 pytest.importorskip("cryptography")
 
@@ -40,7 +40,7 @@ def test_https_instances_verified_against_the_bundle(sim, proxy, tmp_path: Path)
     server = issue(ca, tmp_path / "a", "instance")
     p, d = tls_sim(sim, "prefill", server), tls_sim(sim, "decode", server)
     assert p.url.startswith("https://")
-    px = proxy(pd_roster([p], [d], **SETTINGS), upstream_ca_bundle=str(ca.cert_path))
+    px = proxy(rosters.roster([p], [d], **SETTINGS), upstream_ca_bundle=str(ca.cert_path))
     r = complete(px)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"]
@@ -60,8 +60,7 @@ def test_an_instance_the_bundle_does_not_vouch_for_is_refused(
         server = issue(trusted, tmp_path / "a", "instance")
     d = tls_sim(sim, "prefill_decode", server)
     bundle = None if what == "system store" else str(trusted.cert_path)
-    px = proxy({"settings": SETTINGS, "instances": [{"role": "prefill_decode", "url": d.url}]},
-               upstream_ca_bundle=bundle)
+    px = proxy(rosters.roster(combined=[d], **SETTINGS), upstream_ca_bundle=bundle)
     r = complete(px)
     assert r.status_code == 503
     err = r.json()["error"]
@@ -91,8 +90,7 @@ def test_a_rotated_bundle_is_used_from_the_next_request(
 
     d = tls_sim(sim, "prefill_decode", issue(old_ca, tmp_path / "old", "instance"))
     port = d.port
-    px = proxy({"settings": SETTINGS, "instances": [{"role": "prefill_decode", "url": d.url}]},
-               upstream_ca_bundle=str(bundle))
+    px = proxy(rosters.roster(combined=[d], **SETTINGS), upstream_ca_bundle=str(bundle))
     assert complete(px).status_code == 200
 
     if how == "symlink swap":
@@ -125,7 +123,7 @@ def test_mutual_tls_presents_the_configured_client_certificate(
     clients_ca = make_ca(tmp_path / "clients", "proxy-clients-ca")
     d = tls_sim(sim, "prefill_decode", issue(ca, tmp_path / "ca", "instance"),
                 client_ca=clients_ca)
-    roster = {"settings": SETTINGS, "instances": [{"role": "prefill_decode", "url": d.url}]}
+    roster = rosters.roster(combined=[d], **SETTINGS)
 
     anonymous = proxy(roster, upstream_ca_bundle=str(ca.cert_path))
     assert complete(anonymous).status_code == 503

@@ -16,7 +16,8 @@ import requests
 from epd_flask.core.errors import instance_label
 from tests.bodies import chat, completion, image
 from tests.fakes import response, serve_and_wait
-from tests.helpers import free_port, pd_roster
+from tests.helpers import free_port
+from tests.rosters import roster
 
 COMPLETION = completion(max_tokens=4)
 MB = 1024 * 1024
@@ -75,7 +76,7 @@ def _endless_json(size: int):
 
 def test_a_50_mb_prefill_answer_fails_the_stage_without_being_held(sim, proxy, fake) -> None:
     p, d = fake(_endless_json(50 * MB)), sim("decode")
-    px = proxy(pd_roster([p], [d], decode_retries=0))
+    px = proxy(roster([p], [d], decode_retries=0))
     baseline = rss_bytes()
     peak = [baseline]
     done: list[bool] = []
@@ -103,9 +104,7 @@ def test_a_50_mb_prefill_answer_fails_the_stage_without_being_held(sim, proxy, f
 
 def test_an_oversized_encoder_answer_fails_the_encode_stage(sim, proxy, fake) -> None:
     e, p, d = fake(_endless_json(20 * MB)), sim("prefill"), sim("decode")
-    px = proxy({"settings": {"decode_retries": 0}, "instances": [
-        {"role": "encode", "url": e.url}, {"role": "prefill", "url": p.url},
-        {"role": "decode", "url": d.url}]}, max_upstream_body_bytes=MB)
+    px = proxy(roster([p], [d], encoders=[e], decode_retries=0), max_upstream_body_bytes=MB)
     r = post(px, chat([image(size=600)], max_tokens=2), path="/v1/chat/completions")
     assert r.status_code == 502, r.text
     err = r.json()["error"]
@@ -137,7 +136,7 @@ GOOD_HANDLES = {"do_remote_prefill": True, "do_remote_decode": False,
 def test_prefill_answers_no_prefill_could_send_fail_the_stage(sim, proxy, fake, answer,
                                                               why) -> None:
     p, d = fake(answering(response(body=answer))), sim("decode")
-    px = proxy(pd_roster([p], [d], decode_retries=0))
+    px = proxy(roster([p], [d], decode_retries=0))
     r = post(px, COMPLETION)
     assert r.status_code == 502, r.text
     err = r.json()["error"]
@@ -150,7 +149,7 @@ def test_sane_cached_tokens_still_reach_the_client(sim, proxy, fake) -> None:
     answer = prefill_answer(usage={"prompt_tokens": 3, "completion_tokens": 1,
                                    "prompt_tokens_details": {"cached_tokens": 2}})
     p, d = fake(answering(response(body=answer))), sim("decode")
-    px = proxy(pd_roster([p], [d], decode_retries=0))
+    px = proxy(roster([p], [d], decode_retries=0))
     r = post(px, COMPLETION)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 2
@@ -165,7 +164,7 @@ REDIRECT = response("307 Temporary Redirect", extra="Location: http://10.1.2.3:8
 def test_a_redirect_from_decode_is_a_502_and_its_location_stays_inside(sim, proxy, fake,
                                                                      stream) -> None:
     p, d = sim("prefill"), fake(answering(REDIRECT))
-    px = proxy(pd_roster([p], [d], decode_retries=0))
+    px = proxy(roster([p], [d], decode_retries=0))
     r = post(px, {**COMPLETION, "stream": stream})
     assert r.status_code == 502 and "Location" not in r.headers
     err = r.json()["error"]
@@ -176,7 +175,7 @@ def test_a_redirect_from_decode_is_a_502_and_its_location_stays_inside(sim, prox
 
 def test_a_redirect_on_a_pass_through_route_is_a_502(sim, proxy, fake) -> None:
     p, d = sim("prefill"), fake(answering(REDIRECT))
-    px = proxy(pd_roster([p], [d], decode_retries=0))
+    px = proxy(roster([p], [d], decode_retries=0))
     r = requests.get(px.url + "/v1/models", timeout=10, allow_redirects=False)
     assert r.status_code == 502 and "Location" not in r.headers and "10.1.2.3" not in r.text
 
@@ -189,7 +188,7 @@ def test_a_redirect_on_a_pass_through_route_is_a_502(sim, proxy, fake) -> None:
 def test_an_answer_of_the_wrong_kind_from_decode_is_a_502(sim, proxy, fake, stream,
                                                         answer) -> None:
     p, d = sim("prefill"), fake(answering(answer))
-    px = proxy(pd_roster([p], [d], decode_retries=0))
+    px = proxy(roster([p], [d], decode_retries=0))
     r = post(px, {**COMPLETION, "stream": stream})
     assert r.status_code == 502, r.text
     err = r.json()["error"]
@@ -218,7 +217,7 @@ def _failures(sim, fake):
 def test_no_client_error_names_an_internal_address(sim, proxy, fake, caplog) -> None:
     caplog.set_level(logging.INFO)
     for name, settings, p, d, body in _failures(sim, fake):
-        px = proxy(pd_roster([p], [d], decode_retries=0, **settings))
+        px = proxy(roster([p], [d], decode_retries=0, **settings))
         r = post(px, body)
         assert r.status_code >= 500, (name, r.text)
         for url in (p.url, d.url):

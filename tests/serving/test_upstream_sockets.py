@@ -18,7 +18,8 @@ import pytest
 import requests
 
 from tests.bodies import chat_stream
-from tests.helpers import RawStream, eventually, pd_roster
+from tests.helpers import RawStream, eventually
+from tests.rosters import roster
 
 CHAT = chat_stream()
 STORM = 1000
@@ -74,7 +75,7 @@ def storm_proxy(sim, proxy, **settings):
 def proxy_over(proxy, p, d, **settings):
     # A short idle limit so the pooled prefill connections are swept within the window too:
     # after the storm, *every* upstream socket must be gone, not only the decode streams.
-    px = proxy(pd_roster([p], [d], **settings), upstream_idle_timeout=0.5)
+    px = proxy(roster([p], [d], **settings), upstream_idle_timeout=0.5)
     px.services.transport.start()
     return px
 

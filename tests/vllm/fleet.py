@@ -28,6 +28,7 @@ import requests
 import yaml
 
 from tests.helpers import eventually
+from tests.rosters import roster
 from tests.vllm.reap import group_alive
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -403,9 +404,5 @@ class Fleet:
         failure as it happened): ``.prefill``, ``.decode`` and ``.proxy``."""
         top = self.up(topology)
         prefill, decode = top.by_role("prefill"), top.by_role("decode")
-        proxy = self.proxy({
-            "settings": {"connector": connector, "decode_retries": 0},
-            "instances": [{"role": "prefill", "url": prefill.url},
-                          {"role": "decode", "url": decode.url}],
-        })
+        proxy = self.proxy(roster([prefill], [decode], connector=connector, decode_retries=0))
         return SimpleNamespace(prefill=prefill, decode=decode, proxy=proxy)

@@ -17,6 +17,7 @@ import pytest
 
 from epd_flask.sim import SimConfig, SimServer
 from tests.bodies import chat, completion, completion_stream, image, text
+from tests.rosters import roster
 from tests.sim.wireshape import body_shape
 from tests.vllm.checks import post
 
@@ -56,11 +57,7 @@ def epd(fleet):
 
 @pytest.fixture(scope="module")
 def proxy(epd):
-    return epd.fleet.proxy({
-        "settings": {"decode_retries": 0},
-        "instances": [{"role": "encode", "url": epd.encoder.url},
-                      {"role": "prefill_decode", "url": epd.lm.url}],
-    })
+    return epd.fleet.proxy(roster(encoders=[epd.encoder], combined=[epd.lm], decode_retries=0))
 
 
 def _encoded(epd) -> float:

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from tests.helpers import eventually, scrape
+from tests.rosters import roster
 from tests.vllm.checks import CACHED, EXTERNAL, LOCAL, METRICS_SETTLE_SECONDS, post
 from tests.vllm.fleet import MODEL_NAME, VllmServer
 
@@ -66,13 +67,10 @@ def prefills_of(fleet: Any) -> list[VllmServer]:
 
 
 def start_proxy(fleet: Any, policy: str) -> Any:
-    instances: list[dict[str, Any]] = [
-        {"role": "prefill", "url": p.url, "kv_events": f"tcp://127.0.0.1:{p.kv_events_port}"}
-        for p in prefills_of(fleet)]
-    instances.append({"role": "decode", "url": fleet.current.by_role("decode").url})
-    proxy = fleet.proxy({"settings": {"connector": "nixl", "decode_retries": 0,
-                                      "routing": {"prefill": policy}},
-                         "instances": instances})
+    proxy = fleet.proxy(roster(
+        [(p, {"kv_events": f"tcp://127.0.0.1:{p.kv_events_port}"}) for p in prefills_of(fleet)],
+        [fleet.current.by_role("decode")], connector="nixl", decode_retries=0,
+        routing={"prefill": policy}))
     time.sleep(1.0)  # the workers' subscribers connect (ZMQ drops what they miss)
     return proxy
 

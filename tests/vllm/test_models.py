@@ -12,6 +12,7 @@ import requests
 
 from tests.bodies import completion
 from tests.helpers import eventually
+from tests.rosters import roster
 from tests.vllm.checks import kv_delta, post, unique_prompt
 from tests.vllm.fleet import LORA_NAME, MODEL_NAME, MODELS, SECOND_MODEL, VllmServer
 
@@ -27,12 +28,8 @@ SUCCESSES = "vllm:request_success_total"
 def two(fleet):
     top = fleet.up("models")
     pa, da, pb, db = top.servers
-    proxy = fleet.proxy({
-        "settings": {"connector": "nixl", "decode_retries": 0,
-                     "probe_interval": PROBE_INTERVAL},
-        "instances": [{"role": "prefill", "url": pa.url}, {"role": "decode", "url": da.url},
-                      {"role": "prefill", "url": pb.url}, {"role": "decode", "url": db.url}],
-    })
+    proxy = fleet.proxy(roster([pa, pb], [da, db], connector="nixl", decode_retries=0,
+                               probe_interval=PROBE_INTERVAL))
     ns = SimpleNamespace(pa=pa, da=da, pb=pb, db=db, proxy=proxy)
     wait_listed(ns, lambda ids: {MODEL_NAME, SECOND_MODEL} <= ids, "both models")
     return ns

@@ -15,6 +15,7 @@ import pytest
 import requests
 
 from epd_flask.serving.connectors import CONNECTORS
+from tests.rosters import roster
 from tests.vllm.checks import (
     chat_body,
     completion_body,
@@ -74,13 +75,8 @@ def proxy(pd):
     if "mooncake" not in CONNECTORS:
         pytest.xfail("the proxy on this branch has no mooncake connector (issue 5): "
                      f"available: {', '.join(sorted(CONNECTORS))}")
-    return pd.fleet.proxy({
-        "settings": {"connector": "mooncake", "decode_retries": 0},
-        "instances": [
-            {"role": "prefill", "url": pd.prefill.url, "bootstrap_url": pd.prefill.bootstrap_url},
-            {"role": "decode", "url": pd.decode.url},
-        ],
-    })
+    return pd.fleet.proxy(roster([(pd.prefill, {"bootstrap_url": pd.prefill.bootstrap_url})],
+                                 [pd.decode], connector="mooncake", decode_retries=0))
 
 
 @pytest.mark.parametrize(("path", "stream"), [
