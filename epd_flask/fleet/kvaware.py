@@ -22,7 +22,7 @@ from epd_flask.control.roster import Instance
 from epd_flask.core import jsoncodec
 from epd_flask.core.errors import ProxyError
 from epd_flask.fleet import policies
-from epd_flask.fleet.kvcache import CachePicture, prompt_keys
+from epd_flask.fleet.kvcache import MAX_TOKEN_ID, CachePicture, are_token_ids, prompt_keys
 from epd_flask.fleet.kvevents import KVEvents
 from epd_flask.fleet.policies import Affinity, Decision
 from epd_flask.upstream.transport import Transport
@@ -54,8 +54,9 @@ def tokenize_request(body: dict[str, Any]) -> dict[str, Any] | list[int] | None:
         doc.update({k: body[k] for k in CHAT_FIELDS if k in body})
         return doc
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    # Ids a block name cannot hold (no vocabulary has them) leave nothing to match: the
+    # prefill judges them as vLLM does (400), never us.
+    if isinstance(prompt, list) and prompt and are_token_ids(prompt):
         return list(prompt)
     if isinstance(prompt, str) and prompt:
         doc = {"model": model, "prompt": prompt}
@@ -67,9 +68,8 @@ def tokenize_request(body: dict[str, Any]) -> dict[str, Any] | list[int] | None:
 
 def parse_tokens(doc: Any) -> list[int]:
     tokens = doc.get("tokens") if isinstance(doc, dict) else None
-    if not isinstance(tokens, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-        raise ValueError("/tokenize answered no list of token ids")
+    if not isinstance(tokens, list) or not are_token_ids(tokens):
+        raise ValueError(f"/tokenize answered no list of token ids in 0..{MAX_TOKEN_ID}")
     return tokens
 
 

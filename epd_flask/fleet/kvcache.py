@@ -40,6 +40,9 @@ ROOT = b"epd-kv-root"
 #: The parent name of a chain whose real parent we never heard of (see ``CachePicture``).
 ORPHAN = b"epd-kv-orphan"
 KEY_BYTES = 16
+#: The largest token id a block name can hold (ids are packed as 32-bit unsigned integers;
+#: every vocabulary fits). An id outside 0..MAX_TOKEN_ID names no block any engine holds.
+MAX_TOKEN_ID = 2 ** 32 - 1
 
 
 class MalformedEvents(ValueError):
@@ -68,6 +71,17 @@ class Cleared:
 
 
 Event = Stored | Removed | Cleared
+
+
+def are_token_ids(values: Any) -> bool:
+    """Whether ``values`` is a list of token ids a block name can hold: integers (not
+    booleans) from 0 to ``MAX_TOKEN_ID``. Checked where ids enter (a client's prompt, a
+    /tokenize answer, a store event), so naming blocks never meets one it cannot pack."""
+    if not isinstance(values, (list, tuple)):
+        return False
+    if not values:
+        return True
+    return set(map(type, values)) == {int} and min(values) >= 0 and max(values) <= MAX_TOKEN_ID
 
 
 def sequence_number(frame: bytes) -> int:
@@ -120,8 +134,8 @@ def decode_event(raw: Any) -> Event:
     size = f.get("block_size")
     if parent is not None and not isinstance(parent, (bytes, int)):
         raise MalformedEvents("parent_block_hash is not bytes, an integer or nil")
-    if not isinstance(tokens, (list, tuple)) or not all(isinstance(t, int) for t in tokens):
-        raise MalformedEvents("token_ids is not a list of integers")
+    if not are_token_ids(tokens):
+        raise MalformedEvents(f"token_ids is not a list of integers in 0..{MAX_TOKEN_ID}")
     if not isinstance(size, int) or size <= 0 or len(tokens) != size * len(hashes):
         raise MalformedEvents(f"{len(tokens)} token ids for {len(hashes)} blocks of {size!r}")
     extra = [f.get("lora_name"), f.get("extra_keys")]

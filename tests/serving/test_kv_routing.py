@@ -185,3 +185,21 @@ def test_kv_aware_sees_conversations_over_a_prefix_cached_before_it_subscribed(
             [1 if p is warm else 0 for p in prefills]
         line = [r.getMessage() for r in caplog.records if r.name == "epd_flask.requests"][-1]
         assert re.search(r"prefill:kv_aware\(blocks=[1-9]", line), line
+
+
+@pytest.mark.parametrize("token", [2 ** 32, 2 ** 64], ids=["2^32", "2^64"])
+def test_token_ids_no_block_name_can_hold_route_by_prefix_and_reach_vllm(
+        sim, proxy, publishers, caplog: pytest.LogCaptureFixture, token: int) -> None:
+    """A prompt of token ids past 2^32-1 (no vocabulary has them; negative ones the proxy
+    refuses itself): kv_aware cannot name its blocks, so it routes as prefix and the prefill
+    judges the ids (vLLM answers 400 for ids outside its vocabulary); never a 5xx."""
+    px, prefills = kv_fleet(sim, proxy, publishers, n=2)
+    for _ in range(50):
+        publishers[0].engine.hashes.clear()
+        publishers[0].store(PROMPT)
+        if eventually(lambda: px.services.kv_events.picture(prefills[0].url) is not None, 0.1):
+            break
+    with caplog.at_level(logging.INFO, logger="epd_flask.requests"):
+        complete(px.url, [token] * 32)
+    line = next(r.getMessage() for r in caplog.records if r.name == "epd_flask.requests")
+    assert "prefill:kv_aware(notokens," in line

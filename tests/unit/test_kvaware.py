@@ -348,3 +348,39 @@ def test_a_slow_tokenize_is_cut_at_the_timeout_and_routes_by_prefix(
     finally:
         kv.stop()
         fake.stop()
+
+
+@pytest.mark.parametrize("tokens", [[-1] * 8, [2 ** 32] * 8, [1, 2, True, 4]],
+                         ids=["negative", "2^32", "a boolean"])
+def test_tokenize_answering_ids_no_block_can_hold_routes_by_prefix(
+        publishers: list[Publisher], tokens: list[Any]) -> None:
+    def answer(conn: Any, _request: bytes) -> None:
+        conn.sendall(response(body=json.dumps({"count": len(tokens), "max_model_len": 512,
+                                               "tokens": tokens}).encode()))
+    kv, router, fake, instances, key = tokenizing_fleet(publishers, answer)
+    try:
+        publish_until_ready(kv, publishers[1], instances[1].url, PROMPT)
+        with serving(Affinity(prefix=key, body=CHAT)) as aff:
+            router.pick("prefill")
+        assert aff.decisions[0].startswith("prefill:kv_aware(notokens,")
+    finally:
+        kv.stop()
+        fake.stop()
+
+
+@pytest.mark.parametrize("token", [-1, 2 ** 32, 2 ** 64 - 1], ids=["negative", "2^32", "2^64-1"])
+def test_a_store_of_ids_no_block_can_hold_is_malformed_and_the_reader_goes_on(
+        publishers: list[Publisher], heard: Heard, token: int) -> None:
+    registry, kv, _router = fleet(publishers, 1)
+    url = registry.instances()[0].url
+    pub = publishers[0]
+    kv.sync()
+    try:
+        assert eventually(lambda: connected(kv, 1))
+        publish_until_ready(kv, pub, url, PROMPT[:2 * BLOCK])
+        pub.send(batch(stored([1], None, [token] * BLOCK)))
+        assert eventually(lambda: heard.counts.get((url, "malformed"), 0) == 1)
+        pub.store(PROMPT)
+        assert eventually(lambda: matched(kv, url, PROMPT) == 6)
+    finally:
+        kv.stop()
