@@ -26,6 +26,8 @@ from typing import Any
 
 import msgpack
 
+from epd_flask.core import cooperate
+
 STORED, REMOVED, CLEARED = "BlockStored", "BlockRemoved", "AllBlocksCleared"
 #: Field order of the array form, after the kind (vLLM's struct declaration order).
 STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
@@ -43,6 +45,9 @@ KEY_BYTES = 16
 #: The largest token id a block name can hold (ids are packed as 32-bit unsigned integers;
 #: every vocabulary fits). An id outside 0..MAX_TOKEN_ID names no block any engine holds.
 MAX_TOKEN_ID = 2 ** 32 - 1
+TOKEN_BYTES = array("I").itemsize
+#: Blocks named between two hand-backs of the event loop (~1 ms of hashing).
+YIELD_BLOCKS = 512
 
 
 class MalformedEvents(ValueError):
@@ -152,11 +157,28 @@ def _meaningful(value: Any) -> bool:
 def block_key(parent: bytes, token_ids: Sequence[int], salt: bytes = b"") -> bytes:
     """Our name for a block: blake2b over its parent's name and its token ids, the same in
     every process. Token ids are packed as 32-bit integers (every vocabulary fits)."""
+    return _name(parent, array("I", token_ids).tobytes(), salt)
+
+
+def _name(parent: bytes, packed: bytes, salt: bytes = b"") -> bytes:
     h = hashlib.blake2b(parent, digest_size=KEY_BYTES, person=b"epd-kv")
-    h.update(array("I", token_ids).tobytes())
+    h.update(packed)
     if salt:
         h.update(salt)
     return h.digest()
+
+
+class _Pacer:
+    """Hands the event loop back after every ``YIELD_BLOCKS`` blocks named, so a long
+    prompt's thousands of hashes never hold a worker's other requests for their sum."""
+
+    def __init__(self) -> None:
+        self.named = 0
+
+    def step(self) -> None:
+        self.named += 1
+        if self.named % YIELD_BLOCKS == 0:
+            cooperate.yield_now()
 
 
 def prompt_keys(tokens: Sequence[int], block_size: int, limit: int | None = None) -> list[bytes]:
@@ -166,9 +188,13 @@ def prompt_keys(tokens: Sequence[int], block_size: int, limit: int | None = None
     count = len(tokens) // block_size
     if limit is not None:
         count = min(count, limit)
+    packed = array("I", tokens[:count * block_size]).tobytes()
+    step = block_size * TOKEN_BYTES
+    pacer = _Pacer()
     for i in range(count):
-        parent = block_key(parent, tokens[i * block_size:(i + 1) * block_size])
+        parent = _name(parent, packed[i * step:(i + 1) * step])
         keys.append(parent)
+        pacer.step()
     return keys
 
 
@@ -233,9 +259,10 @@ class CachePicture:
         if known is None:
             self.orphans += 1
         parent = ORPHAN if known is None else known
-        size = event.block_size
+        step = event.block_size * TOKEN_BYTES
+        packed = array("I", event.token_ids).tobytes()
         for i, theirs in enumerate(event.block_hashes):
-            parent = block_key(parent, event.token_ids[i * size:(i + 1) * size], event.salt)
+            parent = _name(parent, packed[i * step:(i + 1) * step], event.salt)
             self._hold(theirs, parent)
             if i == 0 and known is None:
                 self._roots.add(parent)
@@ -261,25 +288,36 @@ class CachePicture:
         """How many of ``keys`` (a prompt's blocks, in order; ``tokens`` its token ids) this
         instance holds from the first on: the prefix a prefill there would not compute
         again. Past the blocks named from the root, a block whose tokens start an orphan
-        chain counts with all before it, and so does the rest of that chain it holds."""
+        chain counts with all before it, and so does the rest of that chain it holds.
+
+        One pass: a walk along an orphan chain goes on from where it stopped, never from
+        the next block again (a prompt of one block repeated, whose every block starts the
+        chain, would otherwise cost the square of its length). Two orphan chains that
+        overlap in one prompt count the one met first."""
         n = 0
         for key in keys:
             if key not in self._ours:
                 break
             n += 1
-        if not self._roots or not tokens or self.block_size is None:
-            return n
         size = self.block_size
-        best = n
-        for j in range(n, len(keys)):
-            key = block_key(ORPHAN, tokens[j * size:(j + 1) * size])
+        count = len(keys)
+        if not self._roots or not tokens or size is None or n == count:
+            return n
+        packed = array("I", tokens[:count * size]).tobytes()
+        step = size * TOKEN_BYTES
+        pacer = _Pacer()
+        best = j = n
+        while j < count:
+            key = _name(ORPHAN, packed[j * step:(j + 1) * step])
+            pacer.step()
+            j += 1
             if key not in self._roots:
                 continue
-            m = j + 1
-            while m < len(keys):
-                key = block_key(key, tokens[m * size:(m + 1) * size])
+            while j < count:
+                key = _name(key, packed[j * step:(j + 1) * step])
+                pacer.step()
                 if key not in self._ours:
                     break
-                m += 1
-            best = max(best, m)
+                j += 1
+            best = max(best, j)
         return best
