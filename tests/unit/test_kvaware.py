@@ -107,9 +107,8 @@ def connected(kv: KVEvents, count: int) -> bool:
 def publish_until_ready(kv: KVEvents, pub: Publisher, url: str, tokens: list[int]) -> None:
     """A SUB socket misses what is sent before its subscription reaches the publisher (ZMQ's
     slow joiner): send until the picture has it, as vLLM does with every new prompt."""
-    def seen() -> bool:
-        picture = kv.picture(url)
-        return picture is not None and len(picture) > 0
+    def seen() -> bool:  # these tokens' blocks, not just any: an earlier store may be there
+        return matched(kv, url, tokens) == len(tokens) // BLOCK
 
     def sent_and_seen() -> bool:
         pub.engine.hashes.clear()
