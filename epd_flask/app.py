@@ -14,22 +14,24 @@ from werkzeug.exceptions import HTTPException
 
 from epd_flask.control.config import ProxyConfig
 from epd_flask.control.reload import boot_roster
+from epd_flask.control.roles import PREFILL
 from epd_flask.control.roster import Roster
 from epd_flask.control.statedir import StateDir
 from epd_flask.control.urlpolicy import URLPolicy
 from epd_flask.core import errors
 from epd_flask.core.errors import ClientError, ProxyError
 from epd_flask.core.headers import REQUEST_ID_HEADER
-from epd_flask.fleet.kvaware import KVAware
+from epd_flask.fleet.bootstrap import BootstrapDiscovery
+from epd_flask.fleet.kvaware import Tokenizer
 from epd_flask.fleet.kvevents import KVEvents
+from epd_flask.fleet.live import LiveFleet
 from epd_flask.fleet.prober import Prober
 from epd_flask.fleet.registry import Registry
-from epd_flask.fleet.rostersync import Fleet
+from epd_flask.fleet.rostersync import RosterSync
 from epd_flask.fleet.routing import Router
 from epd_flask.observe import metrics
 from epd_flask.serving import context
-from epd_flask.serving.connectors import Placement, connector_class
-from epd_flask.serving.connectors.discovery import BootstrapDiscovery
+from epd_flask.serving.connectors import connector_class
 from epd_flask.serving.pipeline import Pipeline
 from epd_flask.upstream.tls import TLSFiles
 from epd_flask.upstream.transport import Transport
@@ -45,11 +47,14 @@ logger = logging.getLogger(__name__)
 __all__ = ["Services", "build_services", "create_app", "services"]
 
 
-def build_services(config: ProxyConfig, roster: Roster, generation: int = 0) -> Services:
+def build_services(config: ProxyConfig, roster: Roster, generation: int = 0, *,
+                   seed: int | None = None) -> Services:
+    """Every per-worker service, wired; nothing started. ``seed`` makes routing repeatable
+    (round-robin from the first instance, seeded draws): for a lone app in tests; None, as
+    under gunicorn, starts each worker somewhere random."""
     settings = roster.settings
-    registry = Registry(roster.instances, settings.fail_threshold, settings.evicted_ttl)
-    # Under gunicorn (a master's state directory) workers come and go with every reload: each
-    # starts its rotation somewhere random. A lone in-process app starts at the first.
+    live = LiveFleet(roster, generation,
+                     Registry(roster.instances, settings.fail_threshold, settings.evicted_ttl))
     transport = Transport(
         settings.connect_timeout, config.pool_maxsize,
         idle_timeout=config.upstream_idle_timeout, keepalive=config.upstream_keepalive,
@@ -59,29 +64,21 @@ def build_services(config: ProxyConfig, roster: Roster, generation: int = 0) -> 
     )
     backend_auth = {"Authorization": f"Bearer {config.backend_api_key}"} \
         if config.backend_api_key else None
-    kv_events = KVEvents(registry)
-    router = Router(registry, start=None if config.state_dir else 0,
-                    settings=lambda: pipeline.roster.settings,
-                    kv=KVAware(kv_events, transport,
-                               lambda: pipeline.roster.settings.kv_tokenize_timeout,
-                               backend_auth))
-    cls = connector_class(settings.connector)
-    discovery = None
-    if cls.bootstrap:
-        discovery = BootstrapDiscovery(registry, transport, lambda: pipeline.roster.settings)
-        connector = cls(discovery.pick, discovery.ready)
-    else:
-        connector = cls(lambda exclude, model=None, base=None: Placement(
-            router.pick("prefill", exclude, model, base)))
-    pipeline = Pipeline(roster, registry, router, transport, connector,
+    kv_events = KVEvents(live.registry)
+    connector = connector_class(settings.connector)()
+    discovery = BootstrapDiscovery(live, transport) if connector.bootstrap else None
+    router = Router(live, sources={PREFILL: discovery} if discovery is not None else None,
+                    pictures=kv_events.picture,
+                    tokenizer=Tokenizer(transport, lambda: live.settings.kv_tokenize_timeout,
+                                        backend_auth),
+                    seed=seed)
+    pipeline = Pipeline(live, router, transport, connector,
                         max_event_bytes=config.max_event_bytes)
-    prober = Prober(registry, transport, lambda: pipeline.roster.settings,
-                    models_headers=backend_auth)
+    prober = Prober(live, transport, models_headers=backend_auth)
     state = StateDir(config.state_dir) if config.state_dir else None
-    fleet = Fleet(roster, generation, registry, pipeline, config.roster_path, state,
-                  prober.probe_now)
+    roster_sync = RosterSync(live, config.roster_path, state)
     inflight = InFlight(config.max_in_flight)
-    return Services(config, registry, router, transport, pipeline, prober, fleet,
+    return Services(config, live, router, transport, pipeline, prober, roster_sync,
                     inflight, Drain(inflight, config.drain_idle_grace), discovery,
                     keys=KeyRing(config.api_keys),
                     url_policy=URLPolicy.build(config.instance_schemes,
@@ -89,9 +86,11 @@ def build_services(config: ProxyConfig, roster: Roster, generation: int = 0) -> 
                     history=metrics.History(), kv_events=kv_events)
 
 
-def create_app(config: ProxyConfig | None = None, roster: Roster | None = None) -> Flask:
+def create_app(config: ProxyConfig | None = None, roster: Roster | None = None, *,
+               seed: int | None = None) -> Flask:
     """``roster`` given (tests) is served as is; otherwise the newest validated copy the
-    gunicorn master prepared, or the roster file when no master did."""
+    gunicorn master prepared, or the roster file when no master did. ``seed``: see
+    ``build_services``."""
     config = config or ProxyConfig.from_env()
     generation = 0
     if roster is None:
@@ -101,7 +100,7 @@ def create_app(config: ProxyConfig | None = None, roster: Roster | None = None) 
     app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
     context.configure(config.log_format, config.log_upstream)
     metrics.install(config.state_dir)
-    svc = app.extensions[EXTENSION] = build_services(config, roster, generation)
+    svc = app.extensions[EXTENSION] = build_services(config, roster, generation, seed=seed)
     app.wsgi_app = InFlightMiddleware(  # type: ignore[method-assign]
         BodyDeadline(FastPath(app, app.wsgi_app), config.body_timeout), svc.inflight)
 

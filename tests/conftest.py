@@ -71,7 +71,7 @@ def proxy() -> Iterator[Callable[..., Proxy]]:
     started: list[Proxy] = []
 
     def start(doc: dict[str, Any], probes: bool = False, **config: Any) -> Proxy:
-        app = create_app(ProxyConfig(**config), parse(doc, "test roster"))
+        app = create_app(ProxyConfig(**config), parse(doc, "test roster"), seed=0)
         server = WSGIServer(("127.0.0.1", 0), app, log=None, handler_class=NoDelayHandler)
         server.start()
         services(app).listening_on([server.address])

@@ -15,15 +15,16 @@ import stat
 import sys
 from collections import Counter
 from collections.abc import Iterable
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 from pydantic_core import PydanticCustomError
 
-from epd_flask.control import connectorspecs
+from epd_flask.control import connectorspecs, policyspecs
 from epd_flask.control import settings as declared
+from epd_flask.control.roles import PREFILL_DECODE, ROLES, SPLIT
 
 #: The keys of a roster document; a file with others is some other file.
 TOP_LEVEL_KEYS = ("settings", "instances")
@@ -31,9 +32,7 @@ TOP_LEVEL_KEYS = ("settings", "instances")
 MAX_FLOW_DEPTH = 100
 _QUOTED = re.compile(r"'[^'\n]*'")
 
-Role = Literal["encode", "prefill", "decode", "prefill_decode"]
-#: The roles in the order a request meets them (also the order summaries list them in).
-ROLES: tuple[str, ...] = get_args(Role)
+Role = Literal[ROLES]
 PrefillFailure = Literal[declared.PREFILL_FAILURES]
 
 
@@ -173,6 +172,18 @@ def _known_connector(cls: Any, value: Any) -> Any:
     return value
 
 
+def _known_policies(cls: Any, value: Any) -> Any:
+    """Each role's policy is a name declared in policyspecs.py, refused in pydantic's own words
+    otherwise (the role names are checked by the schema)."""
+    if isinstance(value, dict):
+        for role, name in value.items():
+            if not isinstance(name, str) or name not in policyspecs.POLICIES:
+                raise PydanticCustomError(
+                    "literal_error", "Input should be {expected} (for role {role})",
+                    {"expected": policyspecs.expected(), "role": str(role)})
+    return value
+
+
 #: Fleet-wide behaviour; every value has a default an operator can start from. Generated from
 #: the declarations in ``settings.py`` (type, default, bounds, help), which the README's
 #: table is checked against.
@@ -180,7 +191,8 @@ Settings = create_model(
     "Settings", __base__=_Strict, __module__=__name__,
     __doc__="Fleet-wide behaviour; every value has a default an operator can start from.",
     __validators__={
-        "_known_connector": field_validator("connector", mode="before")(_known_connector)},
+        "_known_connector": field_validator("connector", mode="before")(_known_connector),
+        "_known_policies": field_validator("routing", mode="before")(_known_policies)},
     **{s.name: (s.type, Field(default=s.default, description=s.help, **s.bounds()))
        for s in declared.ROSTER.values()},
 )
@@ -196,7 +208,7 @@ class Roster(_Strict):
     @property
     def combined(self) -> bool:
         """True when decode work goes to prefill_decode instances (no separate prefill)."""
-        return any(i.role == "prefill_decode" for i in self.instances)
+        return any(i.role == PREFILL_DECODE for i in self.instances)
 
 
 def check_rules(roster: Roster) -> None:
@@ -209,19 +221,34 @@ def check_rules(roster: Roster) -> None:
             "URL, so list it once with a single role"
         )
     roles = {i.role for i in roster.instances}
-    if "prefill_decode" in roles and roles & {"prefill", "decode"}:
+    if PREFILL_DECODE in roles and roles & set(SPLIT):
         raise RoleConflict(
             "prefill_decode instances cannot be mixed with standalone prefill/decode instances "
             "in one roster; use either combined (prefill_decode) or split (prefill + decode)"
         )
-    needs = connectorspecs.CONNECTORS[roster.settings.connector].needs
     for inst in roster.instances:
-        for need in needs:
-            if inst.role in need.roles and not getattr(inst, need.field):
-                raise RosterError(f"instance {inst.url}: {need.message}")
+        missing = connector_problem(roster.settings, inst)
+        if missing:
+            raise RosterError(missing)
         check_instance(inst)
     check_ec_consumers(roster)
     check_models(roster)
+
+
+def connector_problem(settings: Settings, inst: Instance) -> str | None:
+    """What ``inst`` lacks that the roster's connector needs on its role (None: nothing)."""
+    for need in connectorspecs.CONNECTORS[settings.connector].needs:
+        if inst.role in need.roles and not getattr(inst, need.field):
+            return f"instance {inst.url}: {need.message}"
+    return None
+
+
+def mixes_roles(role: str, present: Iterable[str]) -> bool:
+    """Whether an instance of ``role`` beside instances of the ``present`` roles would mix
+    combined and split serving, which one fleet never does (docs/behaviour.md#roster)."""
+    roles = set(present)
+    return (role == PREFILL_DECODE and bool(roles & set(SPLIT))) \
+        or (role in SPLIT and PREFILL_DECODE in roles)
 
 
 def check_models(roster: Roster) -> None:

@@ -21,20 +21,20 @@ from ruamel.yaml.error import YAMLError as RuamelError
 from ruamel.yaml.scalarstring import DoubleQuotedScalarString
 
 from epd_flask.control import settings as declared
+from epd_flask.control.roles import PREFILL_DECODE
 from epd_flask.control.roster import (
     Instance,
     RoleConflict,
     Roster,
     RosterError,
     RosterTooLarge,
+    mixes_roles,
     parse,
     parse_text,
     read_text,
     yaml_error,
 )
 from epd_flask.control.statedir import atomic_write
-
-SPLIT_ROLES = frozenset({"prefill", "decode"})
 
 
 class RosterFileError(RosterError):
@@ -72,10 +72,8 @@ def register(path: str | os.PathLike[str], inst: Instance) -> Change:
             f"role in place: DELETE it first, then register it as {inst.role}")
     if existing == inst:
         return Change("unchanged", current, existing)
-    roles = {i.role for i in current.instances}
-    if (inst.role == "prefill_decode" and roles & SPLIT_ROLES) or \
-            (inst.role in SPLIT_ROLES and "prefill_decode" in roles):
-        serving = "split prefill/decode" if inst.role == "prefill_decode" \
+    if mixes_roles(inst.role, (i.role for i in current.instances)):
+        serving = "split prefill/decode" if inst.role == PREFILL_DECODE \
             else "combined prefill_decode"
         raise RoleConflict(f"cannot register {inst.url} as {inst.role}: the roster serves "
                            f"{serving} instances, and the two are never mixed")

@@ -4,7 +4,8 @@ Two channels, one table each (gunicorn's ``config.py`` is the model): environmen
 read by gunicorn's configuration, the master's hooks or each worker's app; and the roster's
 ``settings:`` keys, whose pydantic schema ``roster.py`` generates from ``ROSTER``. Whatever
 reads a setting reads it here, and tests hold the README's tables to these declarations.
-Standard library only: the gunicorn master imports this.
+Standard library and the other declarations of control/ only: the gunicorn master imports
+this.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from epd_flask.control import policyspecs
+from epd_flask.control.roles import ROLES
 
 #: Who reads an environment variable: gunicorn itself (a setting of etc/gunicorn.conf.py),
 #: our hooks in the gunicorn master, or each worker's app.
@@ -26,10 +30,6 @@ LOG_LEVELS = ("debug", "info", "warning", "warn", "error", "critical")
 #: worker at its cap still accepts connections to refuse quickly and to answer probes.
 IN_FLIGHT_SHARE = 0.9
 PREFILL_FAILURES = ("fail", "recompute")
-#: Routing policies (docs/behaviour.md#routing-policies) and the roles the roster's
-#: ``routing:`` setting names a policy for.
-ROUTING_POLICIES = ("round_robin", "least_loaded", "prefix", "kv_aware", "session")
-ROUTED_ROLES = ("encode", "prefill", "decode", "prefill_decode")
 #: The example roster shipped inside the package (in a checkout, a link to etc/roster.yaml):
 #: what a server started with no roster named serves, a simulated prefill on :8100 and decode
 #: on :8200.
@@ -304,9 +304,10 @@ _ROSTER_SETTINGS = (
     # vLLM's own clients set none.
     RosterSetting("decode_total_timeout", float, 0.0,
                   "the whole decode call, first byte to last; 0 = no limit", "seconds", ge=0),
-    # A role left out routes round_robin.
-    RosterSetting("routing", dict[Literal[ROUTED_ROLES], Literal[ROUTING_POLICIES]], {},
-                  "the routing policy of each role", shown="`round_robin`"),
+    # A role left out routes by the default policy; the names are checked against
+    # policyspecs.POLICIES when a roster is read (roster.py), so a policy is one line there.
+    RosterSetting("routing", dict[Literal[ROLES], str], {},
+                  "the routing policy of each role", shown=f"`{policyspecs.DEFAULT}`"),
     RosterSetting("routing_load_factor", float, 1.25,
                   "prefix and session affinity spill past this multiple of the average load",
                   "factor", ge=1.0, le=100.0),

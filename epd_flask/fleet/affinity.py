@@ -1,4 +1,5 @@
-"""A request's affinity keys and estimated prompt length, from its body alone
+"""A request's affinity keys and estimated prompt length, from its body alone: the
+``RouteRequest`` every routing choice of the request starts from
 (docs/behaviour.md#routing-policies).
 
 The prefix key hashes the part of the prompt every turn of one conversation repeats and other
@@ -30,7 +31,7 @@ import hashlib
 import json
 from typing import Any
 
-from epd_flask.fleet.policies import Affinity
+from epd_flask.fleet.policies import RouteRequest
 
 PREFIX_BLOCK_CHARS = 256
 PREFIX_BLOCKS = 16
@@ -115,9 +116,11 @@ def estimate_tokens(body: dict[str, Any]) -> int:
     return len(text.encode("utf-8", "surrogatepass")) // BYTES_PER_TOKEN
 
 
-def request_affinity(body: dict[str, Any], session: str | None = None) -> Affinity:
+def route_request(body: dict[str, Any], session: str | None = None,
+                  model: str | None = None) -> RouteRequest:
     """The keys and estimate for one completion body (already validated); ``session``, the
-    value of the roster's ``session_header``, keys session affinity before ``user`` does."""
+    value of the roster's ``session_header``, keys session affinity before ``user`` does;
+    ``model``, the model the request is routed by."""
     messages = body.get("messages")
     anchor = chat_anchor(messages) if isinstance(messages, list) \
         else completion_anchor(body.get("prompt"))
@@ -127,6 +130,6 @@ def request_affinity(body: dict[str, Any], session: str | None = None) -> Affini
         session_key: bytes | None = _hash("header\x1e" + session)
     else:
         session_key = _hash("user\x1e" + user) if isinstance(user, str) and user else None
-    return Affinity(prefix=_hash(anchor) if anchor else None,
-                    shared=_hash(shared) if shared else None, session=session_key,
-                    prompt_tokens=estimate_tokens(body), body=body)
+    return RouteRequest(model=model, prefix=_hash(anchor) if anchor else None,
+                        shared=_hash(shared) if shared else None, session=session_key,
+                        prompt_tokens=estimate_tokens(body))

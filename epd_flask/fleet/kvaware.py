@@ -1,6 +1,5 @@
-"""The ``kv_aware`` policy's inputs: the prompt's tokens and how much of them each
-candidate's cache holds (docs/behaviour.md#routing-policies); the choice itself is
-``policies.kv_choice``.
+"""The ``kv_aware`` policy: the prompt's tokens, how much of them each candidate's cache holds,
+and the choice (docs/behaviour.md#routing-policies; the arithmetic is ``policies.kv_choice``).
 
 Tokens come from vLLM's own ``POST /tokenize`` on the instance the prefix policy would pick:
 it applies the served model's chat template exactly as the prefill will, so the blocks we
@@ -8,8 +7,9 @@ hash are the blocks the engine hashed. The ``tokenizers`` library would save the
 (measured on this machine against vLLM 0.32, tiny-llama, a 392-token chat: /tokenize 1.75 ms
 p50, 11 ms p99, ~0.35 ms of proxy CPU; ``tokenizers.encode`` 0.13 ms of CPU) but cannot apply
 a chat template, and would need every model's tokenizer files beside the proxy. The call is
-made only for a ``kv_aware`` role, only when some candidate has a picture, once per request,
-bounded by ``kv_tokenize_timeout``; any failure routes by prefix, never fails the request.
+made only for a ``kv_aware`` role, only when some candidate has a picture, once per request
+(the router puts the tokens in the request's ``RouteRequest``), bounded by
+``kv_tokenize_timeout``; any failure routes by prefix, never fails the request.
 """
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ from epd_flask.core import jsoncodec
 from epd_flask.core.errors import ProxyError
 from epd_flask.fleet import policies
 from epd_flask.fleet.kvcache import MAX_TOKEN_ID, CachePicture, are_token_ids, prompt_keys
-from epd_flask.fleet.kvevents import KVEvents
-from epd_flask.fleet.policies import Affinity, Decision
+from epd_flask.fleet.policies import Decision, Load, Placement, Prefix, RouteRequest
 from epd_flask.upstream.transport import Transport
 
 logger = logging.getLogger(__name__)
@@ -73,27 +72,28 @@ def parse_tokens(doc: Any) -> list[int]:
     return tokens
 
 
-class KVAware:
-    def __init__(self, kv_events: KVEvents, transport: Transport,
-                 timeout: Callable[[], float], headers: dict[str, str] | None = None) -> None:
-        self.events = kv_events
-        self.transport = transport
-        self.timeout = timeout
-        self.headers = headers or {}
-        self._failing: set[str] = set()
+class KVAware(Prefix):
+    """The prefix choice, overruled by the candidates' cached blocks when they can be
+    compared."""
 
-    def decide(self, candidates: Sequence[Instance], affinity: Affinity, prefix: Decision,
-               load: Callable[[Instance], int], factor: float) -> Decision:
-        """``kv_aware``'s choice; ``prefix`` is the prefix policy's, taken whenever the
-        caches cannot be compared."""
+    needs_tokens = True
+
+    def worth_tokens(self, candidates: Sequence[Placement]) -> bool:
+        return any(self.env.pictures(c.url) is not None for c in candidates)
+
+    def choose(self, candidates: Sequence[Placement], request: RouteRequest,
+               load: Load) -> Decision:
+        prefix = super().choose(candidates, request, load)
+        if prefix.outcome == policies.NOKEY:
+            return prefix
         pictures: dict[str, CachePicture] = {}
-        for inst in candidates:
-            picture = self.events.picture(inst.url)
+        for placed in candidates:
+            picture = self.env.pictures(placed.url)
             if picture is not None:
-                pictures[inst.url] = picture
+                pictures[placed.url] = picture
         if not pictures:
             return self._fallback(prefix, "noevents")
-        tokens = self.tokens(affinity, prefix.instance)
+        tokens = request.tokens
         if not tokens:
             return self._fallback(prefix, "notokens")
         keys: dict[int, list[bytes]] = {}
@@ -104,27 +104,36 @@ class KVAware:
                 keys[size] = prompt_keys(tokens, size, MAX_PROMPT_BLOCKS)
             matched[url] = picture.matched(keys[size], tokens)
         blocks = max(len(k) for k in keys.values())
-        order = policies.rendezvous_order(affinity.prefix, candidates) \
-            if affinity.prefix is not None else list(candidates)
-        return policies.kv_choice(order, matched, blocks, load, factor, prefix)
+        order = policies.rendezvous_order(request.prefix, candidates) \
+            if request.prefix is not None else list(candidates)
+        return policies.kv_choice(order, matched, blocks, load.calls,
+                                  self.env.settings().routing_load_factor, prefix, self.name)
 
-    @staticmethod
-    def _fallback(prefix: Decision, reason: str) -> Decision:
-        return Decision(prefix.instance, policies.KV_AWARE, policies.FALLBACK,
-                        f"{reason},{prefix.why}")
+    def _fallback(self, prefix: Decision, reason: str) -> Decision:
+        return Decision(prefix.target, self.name, policies.FALLBACK, f"{reason},{prefix.why}")
 
-    def tokens(self, affinity: Affinity, instance: Instance) -> Sequence[int]:
-        """The prompt's token ids, asked of ``instance`` once per request (empty: unknown)."""
-        if affinity.tokens is not None:
-            return affinity.tokens
-        affinity.tokens = NO_TOKENS
-        wanted = tokenize_request(affinity.body) if affinity.body is not None else None
+
+class Tokenizer:
+    """The prompt's token ids from an instance's ``/tokenize``; remembers which instances
+    fail, to warn once per outage."""
+
+    def __init__(self, transport: Transport, timeout: Callable[[], float],
+                 headers: dict[str, str] | None = None) -> None:
+        self.transport = transport
+        self.timeout = timeout
+        self.headers = headers or {}
+        self._failing: set[str] = set()
+
+    def tokens(self, body: dict[str, Any], instance: Instance,
+               headers: dict[str, str] | None = None) -> tuple[int, ...]:
+        """``body``'s prompt as token ids, asked of ``instance`` (empty: unknown)."""
+        wanted = tokenize_request(body)
         if isinstance(wanted, list):
-            affinity.tokens = wanted
-        elif wanted is not None:
-            headers = affinity.headers if affinity.headers is not None else self.headers
-            affinity.tokens = self._tokenize(instance.url, wanted, headers)
-        return affinity.tokens
+            return tuple(wanted)
+        if wanted is None:
+            return NO_TOKENS
+        return tuple(self._tokenize(instance.url, wanted,
+                                    headers if headers is not None else self.headers))
 
     def _tokenize(self, url: str, doc: dict[str, Any],
                   headers: dict[str, str]) -> Sequence[int]:

@@ -11,16 +11,15 @@ the fleet can serve: a prefill alone answers nobody.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any
 
 from epd_flask.core.errors import ClientError, NoBackend, NotFound
+from epd_flask.fleet.live import LiveFleet
 from epd_flask.fleet.registry import Registry
 
 Card = dict[str, Any]
 #: More cards than this from one instance is not a model list we route by.
 MAX_CARDS = 1024
-DECODE_SIDE = ("decode", "prefill_decode")
 
 
 class ModelListError(ValueError):
@@ -59,12 +58,18 @@ def bare_card(model: str) -> Card:
 
 
 class Catalog:
-    """The fleet's models as this worker knows them; ``decode_role`` says which role answers
-    clients (it changes when a reload turns a split roster into a combined one)."""
+    """The fleet's models as this worker knows them, from the live fleet (whose decode role
+    answers clients: it changes when a reload turns a split roster into a combined one)."""
 
-    def __init__(self, registry: Registry, decode_role: Callable[[], str]) -> None:
-        self.registry = registry
-        self.decode_role = decode_role
+    def __init__(self, live: LiveFleet) -> None:
+        self.live = live
+
+    @property
+    def registry(self) -> Registry:
+        return self.live.registry
+
+    def decode_role(self) -> str:
+        return self.live.view.decode_role
 
     def listing(self) -> dict[str, Any] | None:
         """``/v1/models``: each model served by a live decode-side instance once, adapters with

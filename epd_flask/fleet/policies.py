@@ -1,90 +1,229 @@
-"""Routing policies as pure functions: which of the candidates takes a request, and why
+"""Routing policies: which of the candidates takes a request, and why
 (docs/behaviour.md#routing-policies).
 
+A policy is a class with one method, ``choose``, declared by name in
+``control/policyspecs.py``; the router keeps one instance per role and worker and hands it the
+role's candidates, the attempt's ``RouteRequest`` and how busy each candidate is. Everything a
+choice depends on arrives as an argument: a policy reads nothing else of the request.
+
 The affinity policies (``prefix``, ``session``) are rendezvous (highest-random-weight) hashing
-with bounded load: every instance gets a score from a stable hash of (key, URL), the highest
-score wins unless its load is over the bound, and then the next in score order takes it. The
-order depends only on the key and the URLs, never on this process, so every worker on every
-host makes the same choice with no coordination, and a joining or leaving instance moves only
-the keys it wins or held (1/n of them). ``least_loaded`` is power-of-two-choices.
+with bounded load: every candidate gets a score from a stable hash of (key, candidate), the
+highest score wins unless its load is over the bound, and then the next in score order takes
+it. The order depends only on the key and the candidates, never on this process, so every
+worker on every host makes the same choice with no coordination, and a joining or leaving
+instance moves only the keys it wins or held (1/n of them). ``least_loaded`` is
+power-of-two-choices.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
+import itertools
 import math
 import random
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
 
-from epd_flask.control.roster import Instance
+from epd_flask.control import policyspecs
+from epd_flask.control.roster import Instance, Settings
+from epd_flask.fleet.kvcache import CachePicture
 
-ROUND_ROBIN, LEAST_LOADED, PREFIX, KV_AWARE, SESSION = (
-    "round_robin", "least_loaded", "prefix", "kv_aware", "session")
 #: Decision outcomes, the metric's bounded label values.
 ROTATION, LEAST, TIE, HIT, SPILL, NOKEY = "rotation", "least", "tie", "hit", "spill", "nokey"
 #: ``kv_aware``'s outcomes: chosen by cached blocks; no instance holds any of the prompt's
 #: blocks; no picture or no tokens to match (both of the last two take the prefix choice).
 KVHIT, KVMISS, FALLBACK = "kvhit", "kvmiss", "fallback"
+#: The share of a role's instances the conversations of one system prompt are kept on (see
+#: ``tiered_order``): half, so a few system prompts still cover the whole fleet.
+SHARED_SPREAD = 0.5
 
 
-@dataclass
-class Affinity:
-    """What one request offers the affinity policies, computed once from its body.
+@dataclass(frozen=True)
+class Placement:
+    """One candidate: an instance and, where the request must name one, the data-parallel
+    rank it runs on (with the engine id that rank announced, for Mooncake)."""
 
-    ``prefix``: a stable hash of the prompt's leading part (``fleet/affinity.py``);
-    ``shared``: a hash of the part many conversations share (a chat's system prompt), or None;
-    ``session``: a hash of the client's session identity (the ``user`` field), or None;
-    ``prompt_tokens``: the prompt's estimated length. ``decisions`` collects one
-    ``role:policy(why)`` per pick for the request's log line.
+    instance: Instance
+    dp_rank: int | None = None
+    engine_id: str | None = None
+
+    @property
+    def url(self) -> str:
+        return self.instance.url
+
+    @property
+    def key(self) -> str:
+        """What the affinity policies hash: one rank of an instance is its own cache."""
+        return self.instance.url if self.dp_rank is None \
+            else f"{self.instance.url}#{self.dp_rank}"
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """What one attempt of a request offers routing: computed once from its body
+    (``fleet/affinity.py``), then narrowed per attempt and per stage.
+
+    ``prefix``: a stable hash of the prompt's leading part; ``shared``: a hash of the part many
+    conversations share (a chat's system prompt), or None; ``session``: a hash of the client's
+    session identity, or None; ``prompt_tokens``: the prompt's estimated length; ``tokens``:
+    its token ids once known (None: not asked; empty: they cannot be known); ``model`` and
+    ``base``: what every candidate must serve (docs/behaviour.md#models); ``exclude``: URLs a
+    failed attempt left, avoided while others exist.
     """
 
+    model: str | None = None
+    base: str | None = None
+    exclude: frozenset[str] = frozenset()
     prefix: bytes | None = None
     shared: bytes | None = None
     session: bytes | None = None
     prompt_tokens: int = 0
-    decisions: list[str] = field(default_factory=list)
-    #: The body itself, for ``kv_aware``, which must know the prompt's tokens; ``tokens``
-    #: holds them once known (``()`` when they cannot be), so a retry asks only once.
-    body: dict[str, Any] | None = None
-    tokens: Sequence[int] | None = None
-    #: The request's upstream headers (credentials as its other calls carry them).
-    headers: dict[str, str] | None = None
+    tokens: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Load:
+    """How busy each instance is, as this worker sees it: ``measure`` what ``least_loaded``
+    compares, ``calls`` the open calls the affinity policies bound."""
+
+    measure: Callable[[Instance], int]
+    calls: Callable[[Instance], int]
 
 
 @dataclass(frozen=True)
 class Decision:
-    instance: Instance
+    target: Placement
     policy: str
     outcome: str
     why: str
+
+    @property
+    def instance(self) -> Instance:
+        return self.target.instance
 
     def describe(self, role: str) -> str:
         return f"{role}:{self.policy}({self.why})"
 
 
-def score(key: bytes, url: str) -> int:
-    """The rendezvous weight of ``url`` for ``key``: blake2b, the same in every process
-    (Python's ``hash()`` is salted per process)."""
-    return int.from_bytes(hashlib.blake2b(key + b"\0" + url.encode("utf-8"),
+@dataclass(frozen=True)
+class PolicyEnv:
+    """What every policy of one worker shares: the live settings, its random source, where
+    round-robin cursors start, and the KV-cache pictures (``kv_aware``)."""
+
+    settings: Callable[[], Settings]
+    rng: random.Random
+    new_cursor: Callable[[], Iterator[int]]
+    pictures: Callable[[str], CachePicture | None] = lambda url: None
+
+
+class Policy:
+    """The common ground of a policy; ``name`` is the name the roster used for it."""
+
+    #: Whether ``choose`` reads ``RouteRequest.tokens`` (the router then asks for them once
+    #: per request, when ``worth_tokens`` says some candidate could use them).
+    needs_tokens: ClassVar[bool] = False
+
+    def __init__(self, name: str, env: PolicyEnv) -> None:
+        self.name = name
+        self.env = env
+
+    def choose(self, candidates: Sequence[Placement], request: RouteRequest,
+               load: Load) -> Decision:
+        """One of ``candidates`` (live, serving the model, not excluded, never empty)."""
+        raise NotImplementedError
+
+    def worth_tokens(self, candidates: Sequence[Placement]) -> bool:
+        return False
+
+
+def build(name: str, env: PolicyEnv) -> Policy:
+    """The policy ``name`` as ``control/policyspecs.py`` declares it."""
+    try:
+        spec = policyspecs.POLICIES[name]
+    except KeyError:
+        raise ValueError(f"routing policy {name!r} is not available in this build; choose one "
+                         f"of {', '.join(sorted(policyspecs.POLICIES))}") from None
+    module, _, attr = spec.partition(":")
+    cls: type[Policy] = getattr(importlib.import_module(module), attr)
+    return cls(name, env)
+
+
+class RoundRobin(Policy):
+    """One cursor that only advances (docs/behaviour.md#routing): a roster change or an
+    eviction shifts the list but never restarts the rotation at its head."""
+
+    def __init__(self, name: str, env: PolicyEnv) -> None:
+        super().__init__(name, env)
+        self._cursor = env.new_cursor()
+
+    def choose(self, candidates: Sequence[Placement], request: RouteRequest,
+               load: Load) -> Decision:
+        return self.rotate(candidates, ROTATION)
+
+    def rotate(self, candidates: Sequence[Placement], outcome: str) -> Decision:
+        return Decision(candidates[next(self._cursor) % len(candidates)], self.name, outcome,
+                        outcome)
+
+
+class LeastLoaded(Policy):
+    def choose(self, candidates: Sequence[Placement], request: RouteRequest,
+               load: Load) -> Decision:
+        return power_of_two(candidates, load.measure, self.env.rng, self.name)
+
+
+class Prefix(RoundRobin):
+    """Keyed by the prompt's prefix; a request without one rotates (``nokey``)."""
+
+    def key(self, request: RouteRequest) -> tuple[bytes | None, str]:
+        return request.prefix, ""
+
+    def choose(self, candidates: Sequence[Placement], request: RouteRequest,
+               load: Load) -> Decision:
+        key, note = self.key(request)
+        if key is None:
+            return self.rotate(candidates, NOKEY)
+        decision = bounded_rendezvous(key, candidates, load.calls,
+                                      self.env.settings().routing_load_factor, self.name,
+                                      request.shared, SHARED_SPREAD)
+        if note:
+            return Decision(decision.target, self.name, decision.outcome,
+                            note + decision.why)
+        return decision
+
+
+class Session(Prefix):
+    """Keyed by the client's session; without one, by the prefix key, which a conversation's
+    turns share too."""
+
+    def key(self, request: RouteRequest) -> tuple[bytes | None, str]:
+        if request.session is not None:
+            return request.session, ""
+        return request.prefix, "prefix:"
+
+
+def score(key: bytes, candidate: str) -> int:
+    """The rendezvous weight of ``candidate`` (a URL, or URL#rank) for ``key``: blake2b, the
+    same in every process (Python's ``hash()`` is salted per process)."""
+    return int.from_bytes(hashlib.blake2b(key + b"\0" + candidate.encode("utf-8"),
                                           digest_size=8).digest(), "big")
 
 
-def rendezvous_order(key: bytes, candidates: Sequence[Instance]) -> list[Instance]:
+def rendezvous_order(key: bytes, candidates: Sequence[Placement]) -> list[Placement]:
     """``candidates`` from the highest weight for ``key`` to the lowest."""
-    return sorted(candidates, key=lambda inst: (score(key, inst.url), inst.url), reverse=True)
+    return sorted(candidates, key=lambda c: (score(key, c.key), c.key), reverse=True)
 
 
-def tiered_order(shared: bytes, key: bytes, candidates: Sequence[Instance],
-                 spread: float) -> list[Instance]:
+def tiered_order(shared: bytes, key: bytes, candidates: Sequence[Placement],
+                 spread: float) -> list[Placement]:
     """``key``'s rendezvous order within the ``spread`` share of the candidates that rank
     highest for ``shared``, then within the rest.
 
     Conversations that share a system prompt then share a few instances (each computes that
     prompt once) instead of all of them, while each conversation still has one home. Still a
-    pure function of the keys and the URLs: the same everywhere, and a joining or leaving
-    instance moves only what it wins or held in either tier.
+    pure function of the keys and the candidates: the same everywhere, and a joining or
+    leaving instance moves only what it wins or held in either tier.
     """
     tier = rendezvous_order(shared, candidates)
     size = max(1, math.ceil(spread * len(tier)))
@@ -98,52 +237,78 @@ def load_bound(loads: Sequence[int], factor: float) -> int:
     return max(1, math.ceil(factor * (sum(loads) + 1) / max(1, len(loads))))
 
 
-def bounded_rendezvous(key: bytes, candidates: Sequence[Instance],
+def bounded_rendezvous(key: bytes, candidates: Sequence[Placement],
                        load: Callable[[Instance], int], factor: float,
                        policy: str, shared: bytes | None = None,
                        spread: float = 1.0) -> Decision:
-    """The first instance in ``key``'s rendezvous order (tiered by ``shared`` when given)
+    """The first candidate in ``key``'s rendezvous order (tiered by ``shared`` when given)
     whose load is under the bound."""
     order = rendezvous_order(key, candidates) if shared is None or spread >= 1.0 \
         else tiered_order(shared, key, candidates, spread)
-    bound = load_bound([load(i) for i in candidates], factor)
-    for rank, inst in enumerate(order):
-        if load(inst) < bound:
+    bound = load_bound([load(c.instance) for c in candidates], factor)
+    for rank, placed in enumerate(order):
+        if load(placed.instance) < bound:
             if rank == 0:
-                return Decision(inst, policy, HIT, "hit")
-            return Decision(inst, policy, SPILL, f"spill{rank}:{load(order[0])}>={bound}")
+                return Decision(placed, policy, HIT, "hit")
+            return Decision(placed, policy, SPILL,
+                            f"spill{rank}:{load(order[0].instance)}>={bound}")
     return Decision(order[0], policy, HIT, "hit")  # unreachable: the bound leaves room
 
 
-def power_of_two(candidates: Sequence[Instance], load: Callable[[Instance], int],
-                 rng: random.Random) -> Decision:
-    """The less loaded of two instances drawn at random (Mitzenmacher, "The power of two
+def power_of_two(candidates: Sequence[Placement], load: Callable[[Instance], int],
+                 rng: random.Random, policy: str = "least_loaded") -> Decision:
+    """The less loaded of two candidates drawn at random (Mitzenmacher, "The power of two
     choices in randomized load balancing", 2001): near the best of all, without every
     worker herding onto the same least-loaded instance."""
     if len(candidates) == 1:
-        return Decision(candidates[0], LEAST_LOADED, LEAST, "only")
+        return Decision(candidates[0], policy, LEAST, "only")
     a, b = rng.sample(list(candidates), 2)
-    la, lb = load(a), load(b)
+    la, lb = load(a.instance), load(b.instance)
     if la == lb:
-        return Decision(a, LEAST_LOADED, TIE, f"tie:{la}")
+        return Decision(a, policy, TIE, f"tie:{la}")
     if lb < la:
         a, b, la, lb = b, a, lb, la
-    return Decision(a, LEAST_LOADED, LEAST, f"{la}<{lb}")
+    return Decision(a, policy, LEAST, f"{la}<{lb}")
 
 
-def kv_choice(order: Sequence[Instance], matched: Mapping[str, int], blocks: int,
-              load: Callable[[Instance], int], factor: float, fallback: Decision) -> Decision:
-    """The instance holding the longest prefix of the prompt's ``blocks`` (``matched``: by
+def kv_choice(order: Sequence[Placement], matched: Mapping[str, int], blocks: int,
+              load: Callable[[Instance], int], factor: float, fallback: Decision,
+              policy: str = "kv_aware") -> Decision:
+    """The candidate holding the longest prefix of the prompt's ``blocks`` (``matched``: by
     URL, how many it holds from the first), among those under the same load bound as
     ``bounded_rendezvous``, so a hot prefix still spills over. ``order`` is the candidates
     in the request's rendezvous order: ties go to the prefix choice, then to the first in
     that order, so every worker breaks them alike; no block held anywhere: the prefix
     choice."""
-    bound = load_bound([load(i) for i in order], factor)
-    eligible = [i for i in order if load(i) < bound] or list(order)
-    best = max(matched.get(i.url, 0) for i in eligible)
+    bound = load_bound([load(c.instance) for c in order], factor)
+    eligible = [c for c in order if load(c.instance) < bound] or list(order)
+    best = max(matched.get(c.url, 0) for c in eligible)
     if best == 0:
-        return Decision(fallback.instance, KV_AWARE, KVMISS, f"blocks=0/{blocks},{fallback.why}")
-    tied = [i for i in eligible if matched.get(i.url, 0) == best]
-    chosen = next((i for i in tied if i.url == fallback.instance.url), tied[0])
-    return Decision(chosen, KV_AWARE, KVHIT, f"blocks={best}/{blocks},load={load(chosen)}")
+        return Decision(fallback.target, policy, KVMISS, f"blocks=0/{blocks},{fallback.why}")
+    tied = [c for c in eligible if matched.get(c.url, 0) == best]
+    chosen = next((c for c in tied if c == fallback.target), tied[0])
+    return Decision(chosen, policy, KVHIT,
+                    f"blocks={best}/{blocks},load={load(chosen.instance)}")
+
+
+def new_cursor(seed: int | None) -> Iterator[int]:
+    """A round-robin cursor: from 0 with a seed (a lone app, tests), else from a random place,
+    so the workers a reload starts together do not all send their first request to the
+    same instance."""
+    start = 0 if seed is not None else random.SystemRandom().randrange(CURSOR_SPREAD)
+    return itertools.count(start)
+
+
+CURSOR_SPREAD = 1 << 30
+
+
+def candidates_of(instances: Sequence[Instance]) -> list[Placement]:
+    """Instances as candidates: one per instance, or one per replica for an instance whose
+    replicas must be named (encoders push embeddings to one: ``ec_zmq_addrs``)."""
+    out: list[Placement] = []
+    for inst in instances:
+        if inst.ec_zmq_addrs:
+            out.extend(Placement(inst, rank) for rank in range(inst.dp_size))
+        else:
+            out.append(Placement(inst))
+    return out

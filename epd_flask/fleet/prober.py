@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 
 import gevent.pool
 
-from epd_flask.control.roster import Settings
 from epd_flask.core import events, jsoncodec
 from epd_flask.core.errors import ProxyError
 from epd_flask.core.periodic import Periodic
+from epd_flask.fleet.live import FleetView, LiveFleet, added
 from epd_flask.fleet.models import ModelListError, parse_models
-from epd_flask.fleet.registry import InstanceState, Registry
+from epd_flask.fleet.registry import InstanceState
 from epd_flask.upstream.transport import Transport
 
 logger = logging.getLogger(__name__)
@@ -29,23 +28,29 @@ PROBE_CONCURRENCY = 32
 
 
 class Prober:
-    def __init__(self, registry: Registry, transport: Transport,
-                 settings: Callable[[], Settings],
+    def __init__(self, live: LiveFleet, transport: Transport,
                  models_headers: dict[str, str] | None = None) -> None:
-        self.registry = registry
+        self.live = live
+        self.registry = live.registry
         # /health needs no credentials; /v1/models does on an instance started with --api-key.
         self.models_headers = models_headers or {}
         self.transport = transport
-        self.settings = settings
         self._pool = gevent.pool.Pool(PROBE_CONCURRENCY)
         self._loop = Periodic("probe round", self.probe_all,
-                              lambda: self.settings().probe_interval)
+                              lambda: self.live.settings.probe_interval)
+        live.subscribe(self.on_change)
 
     def start(self) -> None:
         self._loop.start()
 
     def stop(self) -> None:
         self._loop.stop()
+
+    def on_change(self, old: FleetView, new: FleetView) -> None:
+        """Instances that joined are probed at once."""
+        urls = added(old, new)
+        if urls:
+            self.probe_now(urls)
 
     def probe_now(self, urls: list[str]) -> None:
         """Probe these instances at once, outside the rhythm of the rounds: an instance added
@@ -67,7 +72,7 @@ class Prober:
         try:
             resp = self.transport.send(
                 "GET", url + "/health", stage="probe", headers={},
-                read_timeout=self.settings().probe_timeout, stream=False,
+                read_timeout=self.live.settings.probe_timeout, stream=False,
             )
             ok = resp.status_code == 200
             reason = f"/health answered {resp.status_code}"
@@ -100,7 +105,7 @@ class Prober:
         try:
             resp = self.transport.send(
                 "GET", url + "/v1/models", stage="probe", headers=self.models_headers,
-                read_timeout=self.settings().probe_timeout, stream=False,
+                read_timeout=self.live.settings.probe_timeout, stream=False,
             )
             try:
                 if resp.status_code != 200:

@@ -1,8 +1,10 @@
-"""One worker's view of the fleet kept in step with the roster file and its sibling workers.
+"""The roster file as a membership source: keeps the live fleet in step with the file and with
+the sibling workers.
 
-Adopts rosters (at boot, after an admin change, or when another process published one),
-turns admin registrations into edits of the roster file that every worker picks up, and runs
-the greenlet that watches the published roster and writes this worker's health snapshot.
+Hands the live fleet every roster published (by the master on start and SIGHUP, or by a
+sibling after an admin change), turns admin registrations into edits of the roster file that
+every worker picks up, and runs the greenlet that watches the published roster and writes this
+worker's health snapshot.
 """
 
 from __future__ import annotations
@@ -11,8 +13,8 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from collections.abc import Iterator
+from typing import Any
 
 import gevent.lock
 
@@ -22,7 +24,7 @@ from epd_flask.control.rosterfile import Change
 from epd_flask.control.statedir import StateDir
 from epd_flask.core import events
 from epd_flask.core.periodic import Periodic
-from epd_flask.fleet.registry import Registry
+from epd_flask.fleet.live import LiveFleet
 
 logger = logging.getLogger(__name__)
 
@@ -44,19 +46,10 @@ def snapshot_name() -> str:
     return str(pid) if n == 1 else f"{pid}-{n}"
 
 
-class RosterHolder(Protocol):
-    roster: Roster
-
-
-class Fleet:
-    def __init__(self, roster: Roster, generation: int, registry: Registry,
-                 holder: RosterHolder, roster_path: str, state: StateDir | None,
-                 probe_now: Callable[[list[str]], None] = lambda urls: None) -> None:
-        self.roster = roster
-        self.probe_now = probe_now
-        self.generation = generation
-        self.registry = registry
-        self.holder = holder
+class RosterSync:
+    def __init__(self, live: LiveFleet, roster_path: str, state: StateDir | None) -> None:
+        self.live = live
+        self.registry = live.registry
         self.roster_path = roster_path
         self.state = state
         self._edit = gevent.lock.Semaphore()
@@ -67,26 +60,15 @@ class Fleet:
         self._written = -1
         self._snapshot = snapshot_name()
 
-    # -- adopting rosters ----------------------------------------------------------------
+    @property
+    def generation(self) -> int:
+        return self.live.view.generation
 
     def adopt(self, roster: Roster, generation: int, origin: str = "") -> None:
         """Route by ``roster`` from the next request on. Health of instances that stay (same
         URL and role) and the round-robin cursors carry over; requests already under way
         keep the instances they were given."""
-        before = {i.url for i in self.roster.instances}
-        after = {i.url for i in roster.instances}
-        settings = roster.settings
-        self.registry.configure(settings.fail_threshold, settings.evicted_ttl)
-        self.registry.replace(roster.instances)
-        self.holder.roster = roster
-        self.roster = roster
-        self.generation = generation
-        if after - before:
-            self.probe_now(sorted(after - before))
-        if before != after or origin:
-            logger.info("roster generation %d adopted%s: %d instances; added %s; removed %s",
-                        generation, f" ({origin})" if origin else "", len(roster.instances),
-                        sorted(after - before) or "none", sorted(before - after) or "none")
+        self.live.adopt(roster, generation, origin)
 
     # -- admin changes -------------------------------------------------------------------
 
@@ -106,9 +88,11 @@ class Fleet:
     def status(self) -> dict[str, Any]:
         now = time.monotonic()
         rows = []
+        sources = self.live.view.sources
         for s in self.registry.states():
             rows.append({
                 **s.instance.record(),
+                "source": sources.get(s.instance.url, "file"),
                 "state": "live" if s.live else "evicted",
                 "confirmed": s.confirmed,
                 "consecutive_failures": s.failures,

@@ -1,203 +1,173 @@
-"""Which instance takes the next request of a role.
+"""Which candidate takes the next request of a role: the one routing path
+(docs/behaviour.md#routing-policies).
 
-Each role routes by the policy the roster's ``routing`` setting names for it
-(docs/behaviour.md#routing-policies; the choices themselves are ``policies.py``). Round-robin
-has one cursor per role that only ever advances (docs/behaviour.md#routing): a roster change or
-an eviction shifts the list but never restarts the rotation at its head. The request being
-routed is known through ``serving(affinity)``, a context variable: gevent gives every greenlet
-its own, and the connectors that pick prefill need not carry the request through.
+Every choice goes through ``Router.pick`` (``pick_each`` for a request's media items): the
+role's candidates come from its source (the live instances serving the model, or for a
+Mooncake prefill the (prefill, rank) pairs its bootstrap discovery knows), the role's policy
+chooses among those not excluded, and the caller's ``record`` hears the decision (the request
+context writes it to the log line and the metrics). What a choice may depend on arrives as a
+frozen ``RouteRequest``: nothing reaches a policy through a side channel.
 """
 
 from __future__ import annotations
 
-import contextvars
-import itertools
 import random
 from collections import Counter
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any, Protocol
 
-from epd_flask.control import settings as declared
+from epd_flask.control import policyspecs
+from epd_flask.control.roles import PREFILL
 from epd_flask.control.roster import Instance
-from epd_flask.core import events
 from epd_flask.core.errors import NoBackend
 from epd_flask.fleet import policies
-from epd_flask.fleet.kvaware import KVAware
-from epd_flask.fleet.policies import Affinity, Decision
-from epd_flask.fleet.registry import Registry
+from epd_flask.fleet.kvaware import Tokenizer
+from epd_flask.fleet.kvcache import CachePicture
+from epd_flask.fleet.live import LiveFleet
+from epd_flask.fleet.policies import Decision, Load, Placement, Policy, PolicyEnv, RouteRequest
 
-#: The request being routed in this greenlet, if any.
-_CURRENT: contextvars.ContextVar[Affinity | None] = contextvars.ContextVar(
-    "epd_routing_affinity", default=None)
-AFFINITY_POLICIES = (policies.PREFIX, policies.KV_AWARE, policies.SESSION)
-#: The share of a role's instances the conversations of one system prompt are kept on (see
-#: ``policies.tiered_order``): half, so a few system prompts still cover the whole fleet.
-SHARED_SPREAD = 0.5
 #: The roles whose ``least_loaded`` load is prompt tokens in flight rather than calls: a
 #: prefill's work is its prompt; a decode's or an encoder's is not.
-TOKEN_ROLES = frozenset({"prefill"})
+TOKEN_ROLES = frozenset({PREFILL})
+
+Readiness = tuple[bool, str]
+#: Hears every decision: (role, decision).
+Record = Callable[[str, Decision], None]
 
 
-@contextmanager
-def serving(affinity: Affinity) -> Iterator[Affinity]:
-    """Route the picks made inside this block for the request ``affinity`` describes."""
-    token = _CURRENT.set(affinity)
-    try:
-        yield affinity
-    finally:
-        _CURRENT.reset(token)
+class CandidateSource(Protocol):
+    """Where a role's candidates come from."""
+
+    def candidates(self, role: str, model: str | None, base: str | None) -> list[Placement]:
+        """The role's candidates serving ``model`` (on ``base``); NoBackend when none."""
+
+    def ready(self) -> Readiness:
+        """Whether this source can give candidates yet (e.g. bootstrap discovery ran)."""
 
 
-def current() -> Affinity | None:
-    return _CURRENT.get()
-
-CURSOR_SPREAD = 1 << 30
-NO_BACKEND_MESSAGES = {
-    "decode": "no live decode instance is available",
-    "prefill": "no live prefill instance is available",
-    "prefill_decode": "no live prefill_decode instance is available",
-    "encode": "no live encode instance is available",
-}
+def no_backend(role: str, model: str | None = None, what: str = "") -> NoBackend:
+    serving = f" serving model `{model}`" if model is not None else ""
+    return NoBackend(f"no live {role} instance{serving}{what} is available", stage=role)
 
 
-def no_backend(role: str, model: str | None = None) -> NoBackend:
-    message = NO_BACKEND_MESSAGES.get(role, f"no live {role} instance is available")
-    if model is not None:
-        message = message.replace(" is available", f" serving model `{model}` is available")
-    return NoBackend(message, stage=role)
+class LiveInstances:
+    """The default source: the registry's live instances of the role."""
+
+    def __init__(self, live: LiveFleet) -> None:
+        self.live = live
+
+    def candidates(self, role: str, model: str | None, base: str | None) -> list[Placement]:
+        found = self.live.registry.live(role, model, base)
+        if not found:
+            raise no_backend(role, model)
+        return policies.candidates_of(found)
+
+    def ready(self) -> Readiness:
+        return True, "ok"
 
 
 class Router:
-    """``start=None`` starts each role's cursor at a random position.
+    """One policy object per role (kept while the roster names the same policy, so a
+    round-robin cursor survives reloads); ``seed`` makes choices repeatable (a lone app, tests),
+    None draws a random start per worker."""
 
-    gunicorn replaces every worker on a reload; cursors that all started at 0 would send the
-    first request of each new worker to the same (first) instance after every change. Each
-    worker starting somewhere random keeps the fleet's load even from the first request.
-    """
+    def __init__(self, live: LiveFleet, sources: Mapping[str, CandidateSource] | None = None,
+                 pictures: Callable[[str], CachePicture | None] | None = None,
+                 tokenizer: Tokenizer | None = None, seed: int | None = None) -> None:
+        self.live = live
+        self._default = LiveInstances(live)
+        self._sources = dict(sources or {})
+        self.tokenizer = tokenizer
+        self._seed = seed
+        self._env = PolicyEnv(lambda: live.settings,
+                              random.Random(seed) if seed is not None else random.Random(),
+                              lambda: policies.new_cursor(self._seed),
+                              pictures or (lambda url: None))
+        self._policies: dict[str, Policy] = {}
 
-    def __init__(self, registry: Registry, start: int | None = 0,
-                 settings: Callable[[], Any] | None = None, kv: KVAware | None = None) -> None:
-        self.registry = registry
-        self.kv = kv
-        self._start = start
-        self._settings = settings
-        self._cursors: dict[str, Iterator[int]] = {}
-        self._replicas: dict[str, Iterator[int]] = {}
-        # Power-of-two draws: seeded in a lone app (tests), system entropy under gunicorn.
-        self._rng = random.Random(start) if start is not None else random.Random()
+    def source(self, role: str) -> CandidateSource:
+        return self._sources.get(role, self._default)
 
-    def policy(self, role: str) -> str:
-        routing = self._settings().routing if self._settings is not None else {}
-        return str(routing.get(role, policies.ROUND_ROBIN))
+    def policy(self, role: str) -> Policy:
+        name = str(self.live.settings.routing.get(role, policyspecs.DEFAULT))
+        held = self._policies.get(role)
+        if held is None or held.name != name:
+            held = self._policies[role] = policies.build(name, self._env)
+        return held
 
-    def load(self, instance: Instance) -> int:
-        """This worker's upstream calls open on ``instance`` right now; on a prefill, the
-        estimated prompt tokens of those calls (plus one per call): a prefill's wait is the
-        tokens queued before it, and one long prompt outweighs many short ones, which a
-        count of calls cannot see (docs/behaviour.md#routing-policies)."""
-        state = self.registry.get(instance.url)
-        if state is None:
-            return 0
-        if instance.role in TOKEN_ROLES:
-            return state.in_flight + state.tokens_in_flight
-        return state.in_flight
+    def load(self, role: str) -> Load:
+        """This worker's upstream calls open on each instance; on a prefill, the estimated
+        prompt tokens of those calls plus one per call: a prefill's wait is the tokens queued
+        before it, and one long prompt outweighs many short ones, which a count of calls
+        cannot see (docs/behaviour.md#routing-policies). The affinity policies bound calls:
+        an affinity hit's prompt is mostly cached, which the estimate cannot see."""
+        registry = self.live.registry
 
-    def calls(self, instance: Instance) -> int:
-        """This worker's upstream calls open on ``instance``: the load the affinity policies
-        bound. Measured in the fleet model, a bound in prompt tokens made their tails no
-        better (an affinity hit's prompt is mostly cached, which the estimate cannot see)."""
-        state = self.registry.get(instance.url)
-        return state.in_flight if state is not None else 0
+        def calls(inst: Instance) -> int:
+            state = registry.get(inst.url)
+            return state.in_flight if state is not None else 0
 
-    def pick(self, role: str, exclude: frozenset[str] = frozenset(), model: str | None = None,
-             base: str | None = None) -> Instance:
-        """A live instance of ``role`` serving ``model`` (docs/behaviour.md#models), chosen by
-        the role's policy, skipping URLs in ``exclude`` when others exist."""
-        live = self.registry.live(role, model, base)
-        if not live:
-            raise no_backend(role, model)
-        preferred = [i for i in live if i.url not in exclude] or live
-        affinity = _CURRENT.get()
-        decision = self.decide(role, self.policy(role), preferred, affinity)
-        if affinity is not None:
-            affinity.decisions.append(decision.describe(role))
-        events.routed.fire(role, decision.policy, decision.outcome, decision.instance.url)
-        return decision.instance
+        if role not in TOKEN_ROLES:
+            return Load(calls, calls)
 
-    def decide(self, role: str, policy: str, candidates: list[Instance],
-               affinity: Affinity | None) -> Decision:
-        """``policy``'s choice among ``candidates`` (live, not excluded, non-empty).
+        def tokens(inst: Instance) -> int:
+            state = registry.get(inst.url)
+            return state.in_flight + state.tokens_in_flight if state is not None else 0
 
-        ``kv_aware`` starts from the prefix choice and lets the instances' cached blocks
-        overrule it (``KVAware.decide``); ``session`` without a ``user`` falls back to the
-        prefix key, which a conversation's turns share too.
-        """
-        if policy == policies.LEAST_LOADED:
-            return policies.power_of_two(candidates, self.load, self._rng)
-        if policy in AFFINITY_POLICIES and affinity is not None:
-            key = affinity.session if policy == policies.SESSION else None
-            fallback = key is None and policy == policies.SESSION
-            key = key or affinity.prefix
-            if key is not None:
-                factor = self._settings().routing_load_factor if self._settings else \
-                    declared.default("routing_load_factor")
-                decision = policies.bounded_rendezvous(key, candidates, self.calls, factor,
-                                                       policy, affinity.shared, SHARED_SPREAD)
-                if policy == policies.KV_AWARE:
-                    if self.kv is None:
-                        return Decision(decision.instance, policy, policies.FALLBACK,
-                                        "noevents," + decision.why)
-                    return self.kv.decide(candidates, affinity, decision, self.calls, factor)
-                if fallback:
-                    return Decision(decision.instance, policy, decision.outcome,
-                                    "prefix:" + decision.why)
-                return decision
-        n = next(self._cursor(role))
-        outcome = policies.ROTATION if policy == policies.ROUND_ROBIN else policies.NOKEY
-        return Decision(candidates[n % len(candidates)], policy, outcome, outcome)
+        return Load(tokens, calls)
 
-    def pick_many(self, role: str, count: int, model: str | None = None) -> list[Instance]:
-        """``count`` instances in rotation order, e.g. one encoder per media item.
+    def ready(self, role: str) -> Readiness:
+        return self.source(role).ready()
 
-        The cursor moves by ``count``, so the next request continues where this one stopped
-        instead of starting again at the first instance.
-        """
-        live = self.registry.live(role, model)
-        if not live:
-            raise no_backend(role, model)
-        if self.policy(role) == policies.LEAST_LOADED:
-            # The calls open after all are picked: count this request's own picks as load.
-            mine: Counter[str] = Counter()
-            picked = []
-            for _ in range(count):
-                decision = policies.power_of_two(
-                    live, lambda i: self.load(i) + mine[i.url], self._rng)
-                mine[decision.instance.url] += 1
-                events.routed.fire(role, decision.policy, decision.outcome,
-                                   decision.instance.url)
-                picked.append(decision.instance)
-            return picked
-        cursor = self._cursor(role)
-        return [live[next(cursor) % len(live)] for _ in range(count)]
+    def _preferred(self, role: str, request: RouteRequest) -> list[Placement]:
+        found = self.source(role).candidates(role, request.model, request.base)
+        return [c for c in found if c.url not in request.exclude] or found
 
-    def next_replica(self, instance: Instance) -> int:
-        """The next data-parallel replica of ``instance``, round-robin per instance."""
-        if instance.dp_size <= 1:
-            return 0
-        cursor = self._replicas.get(instance.url)
-        if cursor is None:
-            cursor = self._replicas[instance.url] = self._new_cursor()
-        return next(cursor) % instance.dp_size
+    def pick(self, role: str, request: RouteRequest, record: Record) -> Placement:
+        """A candidate of ``role`` chosen by its policy, told to ``record``."""
+        decision = self.policy(role).choose(self._preferred(role, request), request,
+                                            self.load(role))
+        record(role, decision)
+        return decision.target
 
-    def _cursor(self, role: str) -> Iterator[int]:
-        cursor = self._cursors.get(role)
-        if cursor is None:
-            cursor = self._cursors[role] = self._new_cursor()
-        return cursor
+    def pick_each(self, role: str, keys: Sequence[bytes], request: RouteRequest,
+                  record: Record) -> list[Placement]:
+        """One candidate per item (a request's media items, keyed by their content), each
+        chosen by the role's policy with the items already placed counted as load: they are
+        all sent at once."""
+        candidates = self._preferred(role, request)
+        policy = self.policy(role)
+        base = self.load(role)
+        mine: Counter[str] = Counter()
+        load = Load(lambda i: base.measure(i) + mine[i.url], lambda i: base.calls(i) + mine[i.url])
+        picked = []
+        for key in keys:
+            decision = policy.choose(candidates, replace(request, prefix=key, shared=None,
+                                                         session=None), load)
+            record(role, decision)
+            mine[decision.instance.url] += 1
+            picked.append(decision.target)
+        return picked
 
-    def _new_cursor(self) -> Iterator[int]:
-        start = self._start
-        if start is None:
-            start = random.SystemRandom().randrange(CURSOR_SPREAD)
-        return itertools.count(start)
+    def with_tokens(self, request: RouteRequest, roles: Iterable[str], body: dict[str, Any],
+                    headers: dict[str, str] | None = None) -> RouteRequest:
+        """``request`` with the prompt's token ids when a policy of ``roles`` would read them
+        and some candidate could use them; asked once per request, on the candidate the
+        prompt's prefix ranks first."""
+        if request.tokens is not None or self.tokenizer is None:
+            return request
+        for role in roles:
+            policy = self.policy(role)
+            if not policy.needs_tokens:
+                continue
+            try:
+                candidates = self._preferred(role, request)
+            except NoBackend:
+                continue
+            if not policy.worth_tokens(candidates):
+                continue
+            first = policies.rendezvous_order(request.prefix, candidates)[0] \
+                if request.prefix is not None else candidates[0]
+            return replace(request, tokens=self.tokenizer.tokens(body, first.instance, headers))
+        return request

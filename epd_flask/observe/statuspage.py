@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from epd_flask import __version__
-from epd_flask.control.roster import ROLES
+from epd_flask.control.roles import ROLES
 from epd_flask.core.events import FleetEntry
 from epd_flask.observe import plots
 from epd_flask.observe.metrics import STATUS_WINDOW_SECONDS, Snapshot

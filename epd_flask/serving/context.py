@@ -23,6 +23,7 @@ from epd_flask.control.settings import LOG_FORMATS
 from epd_flask.core import events
 from epd_flask.core.errors import ProxyError
 from epd_flask.core.headers import new_upstream_id
+from epd_flask.fleet.policies import Decision
 
 logger = logging.getLogger("epd_flask.requests")
 upstream_logger = logging.getLogger("epd_flask.upstream")
@@ -119,6 +120,12 @@ class RequestContext:
         self.chunks += events
         self.bytes_out += nbytes
 
+    def decided(self, role: str, decision: Decision) -> None:
+        """One routing decision for this request (docs/behaviour.md#routing-policies): the
+        log line names it, the metrics count it. Every choice of an instance reports here."""
+        self.routing.append(decision.describe(role))
+        events.routed.fire(role, decision.policy, decision.outcome, decision.instance.url)
+
     def retry(self, err: ProxyError) -> None:
         self.retries += 1
         events.retry.fire(err.stage or "unknown", err.code)
@@ -203,7 +210,7 @@ class RequestContext:
         for role, url in self.instances.items():
             parts.append(f"{role}={v(url)}")
         if self.routing:
-            parts.append(f"routing={v(','.join(self.routing))}")
+            parts.append(f"routing={v(','.join(compact(self.routing)))}")
         for stage, ms in self.timings.items():
             parts.append(f"{stage}_ms={v(ms)}")
         parts.append(f"retries={v(self.retries)} chunks={v(self.chunks)} "
@@ -221,7 +228,7 @@ class RequestContext:
             "pid": os.getpid(),  # which worker: a bare JSON line has no log prefix
             "request_id": self.request_id, "upstream_id": self.upstream_id,
             "route": self.route, "status": self.status,
-            "instances": dict(self.instances), "routing": list(self.routing),
+            "instances": dict(self.instances), "routing": compact(self.routing),
             "timings_ms": dict(self.timings),
             "retries": self.retries, "chunks": self.chunks, "bytes": self.bytes_out,
         }
@@ -241,6 +248,19 @@ class RequestContext:
         if self.chunks < 2 or first is None or total is None or total <= first:
             return None
         return round((self.chunks - 1) / ((total - first) / 1000.0), 1)
+
+
+def compact(decisions: list[str]) -> list[str]:
+    """Repeats in a row as one entry with a count (``encode:round_robin(rotation)x8``): a
+    request with many media items makes as many encoder decisions."""
+    out: list[str] = []
+    count = 0
+    for n, entry in enumerate(decisions):
+        count += 1
+        if n + 1 == len(decisions) or decisions[n + 1] != entry:
+            out.append(entry if count == 1 else f"{entry}x{count}")
+            count = 0
+    return out
 
 
 _NEEDS_QUOTES = re.compile(r'[ "=\\]')

@@ -2,6 +2,9 @@
 next stage gets instead (docs/behaviour.md#encoders-and-rewriting), and the replica that stage
 must run on (docs/behaviour.md#routing).
 
+Each media item goes to the encoder the encode role's policy picks for it, keyed by the item's
+content (the same image meets the same encoder's cache under ``prefix``).
+
 Plans and rewrites with ``multimodal``, calls encoders through ``fanout``. A failed encoder call
 goes once to another encoder (unreachable, 5xx, cut mid-answer); a failure that remains fails
 the request before any prefill or decode call, and the request is not retried as a whole.
@@ -17,10 +20,12 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+from epd_flask.control.roles import ENCODE
 from epd_flask.control.roster import Instance, Settings
 from epd_flask.core import cooperate, jsoncodec
 from epd_flask.core.errors import BackendError, BackendStatus, instance_label
 from epd_flask.core.headers import DP_RANK_HEADER, REQUEST_ID_HEADER
+from epd_flask.fleet.policies import Placement, RouteRequest
 from epd_flask.fleet.registry import Registry
 from epd_flask.fleet.routing import Router
 from epd_flask.serving import multimodal
@@ -45,19 +50,22 @@ class EncodeStage:
         self.registry = registry
         self.fanout = fanout
 
-    def run(self, body: dict[str, Any], ctx: RequestContext, consumer: Instance,
-            settings: Settings) -> Staged:
-        """Encode ``body``'s media for ``consumer``, the instance chosen to consume it.
+    def run(self, body: dict[str, Any], ctx: RequestContext, consumer: Placement,
+            settings: Settings, request: RouteRequest) -> Staged:
+        """Encode ``body``'s media for ``consumer``, the instance (and replica) chosen to
+        consume it.
 
         Text-only requests, and rosters without encoders, pass through untouched.
         """
         items = multimodal.extract(body)
-        if not items or not self.registry.serves_anywhere("encode", ctx.model):
+        if not items or not self.registry.serves_anywhere(ENCODE, ctx.model):
             # No encoder for this model (docs/behaviour.md#models): the consumer encodes.
             return Staged(body)
         cooperate.after_step(ctx.bytes_in)  # extracting hashed every item's content
         started = time.monotonic()
-        targets = self.router.pick_many("encode", len(items), ctx.model)
+        wanted = RouteRequest(model=ctx.model)
+        targets = [p.instance for p in self.router.pick_each(
+            ENCODE, [item.key.encode("utf-8") for item in items], wanted, ctx.decided)]
         consumer_zmq, headers = self._pin_replica(consumer)
         transfer_ids = {i.index: uuid.uuid4().hex for i in items} if consumer_zmq else {}
         rewrite = settings.rewrite_media
@@ -72,7 +80,7 @@ class EncodeStage:
         try:
             answers = self.fanout.run(calls, concurrency=settings.encoder_concurrency,
                                       timeout=settings.encoder_timeout, ctx=ctx,
-                                      alternate=partial(self._other_encoder, model=ctx.model))
+                                      alternate=partial(self._other_encoder, ctx=ctx))
         except BackendStatus:
             raise  # the encoder's own status reaches the client
         except BackendError as err:
@@ -100,23 +108,27 @@ class EncodeStage:
                      ctx.request_id, len(items), len(calls), len(encoded))
         return Staged(out, headers)
 
-    def _other_encoder(self, failed: Instance, model: str | None = None) -> Instance | None:
-        """A live encoder of ``model`` other than ``failed`` for its call's one retry, if
-        there is one."""
-        if not any(i.url != failed.url for i in self.registry.live("encode", model)):
+    def _other_encoder(self, failed: Instance, ctx: RequestContext) -> Instance | None:
+        """A live encoder of the request's model other than ``failed`` for its call's one
+        retry, if there is one."""
+        if not any(i.url != failed.url for i in self.registry.live(ENCODE, ctx.model)):
             return None
-        return self.router.pick("encode", frozenset({failed.url}), model)
+        return self.router.pick(ENCODE, RouteRequest(model=ctx.model,
+                                                     exclude=frozenset({failed.url})),
+                                ctx.decided).instance
 
-    def _pin_replica(self, consumer: Instance) -> tuple[str | None, dict[str, str]]:
-        """With push consumers (docs/behaviour.md#routing), one replica is named to both the
-        encoders (its address) and the stage that runs the request (the rank header), so the
-        push lands where the request runs. Pull and shared-storage connectors need no
-        pinning."""
-        if not consumer.ec_zmq_addrs:
+    @staticmethod
+    def _pin_replica(consumer: Placement) -> tuple[str | None, dict[str, str]]:
+        """With push consumers (docs/behaviour.md#routing), the replica the consumer's policy
+        chose is named to both the encoders (its address) and the stage that runs the request
+        (the rank header), so the push lands where the request runs. Pull and shared-storage
+        connectors need no pinning."""
+        inst = consumer.instance
+        if not inst.ec_zmq_addrs:
             return None, {}
-        rank = self.router.next_replica(consumer)
-        headers = {DP_RANK_HEADER: str(rank)} if consumer.dp_size > 1 else {}
-        return consumer.ec_zmq_addrs[rank], headers
+        rank = consumer.dp_rank or 0
+        headers = {DP_RANK_HEADER: str(rank)} if inst.dp_size > 1 else {}
+        return inst.ec_zmq_addrs[rank], headers
 
     @staticmethod
     def _child_headers(ctx: RequestContext, first_index: int) -> dict[str, str]:

@@ -16,12 +16,13 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 from urllib.parse import quote
 
-from epd_flask.control.roster import Instance, Roster
+from epd_flask.control.roles import DECODE, PREFILL, PREFILL_DECODE
+from epd_flask.control.roster import Instance
 from epd_flask.control.settings import default
 from epd_flask.core import events, jsoncodec
 from epd_flask.core.errors import (
@@ -32,13 +33,13 @@ from epd_flask.core.errors import (
     instance_label,
 )
 from epd_flask.core.headers import REQUEST_ID_HEADER, client_headers
-from epd_flask.fleet import routing
-from epd_flask.fleet.affinity import request_affinity
+from epd_flask.fleet.affinity import route_request
+from epd_flask.fleet.live import LiveFleet
 from epd_flask.fleet.models import Catalog
-from epd_flask.fleet.registry import Registry
+from epd_flask.fleet.policies import Decision, Placement, RouteRequest
 from epd_flask.fleet.routing import Router
 from epd_flask.serving import fields, legs, relay, usage
-from epd_flask.serving.connectors import Connector, LegRequest, Placement, Route
+from epd_flask.serving.connectors import Connector, LegRequest, Route
 from epd_flask.serving.context import RequestContext
 from epd_flask.serving.encode_stage import EncodeStage
 from epd_flask.serving.fanout import Fanout
@@ -58,8 +59,6 @@ def upstream_path(path: str) -> str:
     return quote(path, safe=PATH_SAFE)
 
 
-#: Connectors whose decode computes a prompt it got no KV for: short prompts may skip prefill.
-DIRECT_DECODE_CONNECTORS = ("nixl", "none")
 STREAM_HEADERS = (("Cache-Control", "no-cache"), ("X-Accel-Buffering", "no"))
 
 
@@ -82,36 +81,33 @@ class Opened:
 
 
 class Pipeline:
-    def __init__(self, roster: Roster, registry: Registry, router: Router,
-                 transport: Transport, connector: Connector,
+    def __init__(self, live: LiveFleet, router: Router, transport: Transport,
+                 connector: Connector,
                  max_event_bytes: int = default("EPD_MAX_EVENT_BYTES")) -> None:
-        self.roster = roster
+        self.live = live
         self.max_event_bytes = max_event_bytes
-        self.registry = registry
+        self.registry = live.registry
         self.router = router
         self.transport = transport
         self.connector = connector
         # Per-worker tallies of what went wrong beside the client's view (shown on /health).
         self.counters: Counter[str] = Counter()
-        self.encode = EncodeStage(router, registry, Fanout(transport, registry, self.counters))
-        self.catalog = Catalog(registry, lambda: self.decode_role)
-
-    @property
-    def decode_role(self) -> str:
-        return "prefill_decode" if self.roster.combined else "decode"
+        self.encode = EncodeStage(router, self.registry,
+                                  Fanout(transport, self.registry, self.counters))
+        self.catalog = Catalog(live)
 
     def ready(self) -> tuple[bool, str]:
         """Can a completion be served right now? (readiness, not liveness: it counts only
         instances that answered a probe, so a fresh worker is ready after its first round)"""
-        if self.roster.combined:
-            if self.registry.confirmed("prefill_decode"):
+        if self.live.view.combined:
+            if self.registry.confirmed(PREFILL_DECODE):
                 return True, "ok"
             return False, "no live prefill_decode instance"
-        if not self.registry.confirmed("decode"):
+        if not self.registry.confirmed(DECODE):
             return False, "no live decode instance"
-        if not self.registry.confirmed("prefill"):
+        if not self.registry.confirmed(PREFILL):
             return False, "no live prefill instance"
-        return self.connector.ready()
+        return self.router.ready(PREFILL)
 
     def completion(self, path: str, body: dict[str, Any], ctx: RequestContext) -> Reply:
         """Serve /v1/completions or /v1/chat/completions, retrying before the first byte."""
@@ -121,21 +117,20 @@ class Pipeline:
         return legs.unless_client_leaves(ctx.client_gone, self._attempts, path, body, ctx)
 
     def _attempts(self, path: str, body: dict[str, Any], ctx: RequestContext) -> Reply:
-        """The request's attempts, in the greenlet the client watch runs: the routing context
-        (a context variable, which a new greenlet does not inherit) is set here."""
-        attempts = self.roster.settings.decode_retries + 1
-        affinity = request_affinity(body, ctx.session)
-        ctx.on_leg = partial(self.registry.track, tokens=affinity.prompt_tokens)
-        affinity.decisions = ctx.routing
-        affinity.headers = ctx.upstream_headers
-        with routing.serving(affinity):
-            return self._retried(path, body, ctx, attempts)
-
-    def _retried(self, path: str, body: dict[str, Any], ctx: RequestContext,
-                 attempts: int) -> Reply:
+        """The request's attempts: what routing may know of it is computed once (its keys,
+        and its tokens when a policy reads them), then each attempt excludes the instances
+        earlier ones failed on."""
+        view = self.live.view
+        request = route_request(body, ctx.session, ctx.model)
+        roles = (PREFILL_DECODE,) if view.combined else \
+            (DECODE,) if self._skips_prefill(request) else (DECODE, PREFILL)
+        request = self.router.with_tokens(request, roles, body, ctx.upstream_headers)
+        ctx.on_leg = partial(self.registry.track, tokens=request.prompt_tokens)
+        attempts = view.settings.decode_retries + 1
         for attempt in range(attempts):
             try:
-                return self._attempt(path, body, ctx)
+                return self._attempt(path, body, ctx,
+                                     replace(request, exclude=frozenset(ctx.failed)))
             except ProxyError as err:
                 if not err.retryable or attempt + 1 >= attempts:
                     raise
@@ -160,10 +155,11 @@ class Pipeline:
     def _passthrough(self, method: str, path: str, query: str, body: bytes | None,
                      content_type: str | None, ctx: RequestContext,
                      model: str | None) -> Reply:
-        if model is not None and not self.registry.live(self.decode_role, model):
+        role = self.live.view.decode_role
+        if model is not None and not self.registry.live(role, model):
             model = None  # nobody live serves it: the instance answers as vLLM would
         ctx.on_leg = self.registry.track
-        target = self.router.pick(self.decode_role, model=model)
+        target = self.router.pick(role, RouteRequest(model=model), ctx.decided).instance
         ctx.instances["decode"] = target.url
         headers = dict(ctx.upstream_headers)
         if content_type:
@@ -178,42 +174,44 @@ class Pipeline:
             call.hold()  # relayed as it arrives: the relay's end closes it
         return self._reply(Opened(resp, stream=True), ctx)
 
-    def _attempt(self, path: str, body: dict[str, Any], ctx: RequestContext) -> Reply:
+    def _attempt(self, path: str, body: dict[str, Any], ctx: RequestContext,
+                 request: RouteRequest) -> Reply:
         # Every attempt encodes again from the client's body (docs/behaviour.md#failover): the
         # consumer is chosen first because the encoders may have to push to it
         # (docs/behaviour.md#routing).
-        if self.roster.combined:
-            target = self.router.pick("prefill_decode", frozenset(ctx.failed), ctx.model)
-            staged = self.encode.run(body, ctx, target, self.roster.settings)
+        view = self.live.view
+        if view.combined:
+            target = self.router.pick(PREFILL_DECODE, request, ctx.decided)
+            staged = self.encode.run(body, ctx, target, view.settings, request)
             opened = self._open_decode(
-                target, path, LegRequest(staged.body, staged.consumer_headers), ctx)
+                target.instance, path, LegRequest(staged.body, staged.consumer_headers), ctx)
             return self._reply(opened, ctx)
         # Decode is chosen first: with no decode alive, prefill work would be wasted.
-        decode = self.router.pick("decode", frozenset(ctx.failed), ctx.model)
-        if self._skips_prefill():
-            return self._decode_only(decode, path, body, ctx)
-        route = self.connector.route(decode, ctx.attempt_id, ctx.retries, frozenset(ctx.failed),
-                                     ctx.model, self.registry.base_of(decode.url, ctx.model))
-        body = self.encode.run(body, ctx, route.prefill.instance, self.roster.settings).body
+        decode = self.router.pick(DECODE, request, ctx.decided).instance
+        if self._skips_prefill(request):
+            return self._decode_only(decode, path, body, ctx, request)
+        prefill = self.router.pick(
+            PREFILL, replace(request, base=self.registry.base_of(decode.url, ctx.model)),
+            ctx.decided)
+        route = self.connector.route(decode, prefill, ctx.attempt_id, ctx.retries)
+        staged = self.encode.run(body, ctx, prefill, view.settings, request)
+        body = staged.body
         if self.connector.concurrent:
             return self._concurrent_legs(route, path, body, ctx)
         return self._sequential_legs(route, path, body, ctx)
 
-    def _skips_prefill(self) -> bool:
+    def _skips_prefill(self, request: RouteRequest) -> bool:
         """Selective disaggregation (docs/behaviour.md#routing-policies): a prompt estimated
         shorter than ``disaggregate_min_prompt_tokens`` costs decode less to compute than a
         prefill hop and a KV transfer; only connectors whose decode can compute alone."""
-        floor = self.roster.settings.disaggregate_min_prompt_tokens
-        affinity = routing.current()
-        return (floor > 0 and affinity is not None and affinity.prompt_tokens < floor
-                and self.connector.name in DIRECT_DECODE_CONNECTORS)
+        floor = self.live.settings.disaggregate_min_prompt_tokens
+        return floor > 0 and request.prompt_tokens < floor and self.connector.recomputes
 
     def _decode_only(self, decode: Instance, path: str, body: dict[str, Any],
-                     ctx: RequestContext) -> Reply:
-        body = self.encode.run(body, ctx, decode, self.roster.settings).body
+                     ctx: RequestContext, request: RouteRequest) -> Reply:
+        body = self.encode.run(body, ctx, Placement(decode), self.live.settings, request).body
         route = Route(Placement(decode), decode, ctx.attempt_id, ctx.retries)
-        ctx.routing.append("prefill:skipped(short)")
-        events.routed.fire("prefill", "disaggregate", "skipped", decode.url)
+        ctx.decided(PREFILL, Decision(Placement(decode), "disaggregate", "skipped", "short"))
         opened = self._open_decode(decode, path, self.connector.decode_leg(body, route, None),
                                    ctx)
         return self._reply(opened, ctx)
@@ -246,7 +244,7 @@ class Pipeline:
         Never for a 4xx (the request itself is wrong; decode would refuse it too), and never
         for connectors whose decode waits for KV instead of recomputing.
         """
-        if (self.roster.settings.prefill_failure != "recompute" or not self.connector.recomputes
+        if (self.live.settings.prefill_failure != "recompute" or not self.connector.recomputes
                 or (isinstance(err, BackendStatus) and err.status < 500)):
             return False
         self.counters["prefill_recomputed"] += 1
@@ -262,7 +260,7 @@ class Pipeline:
         try:
             with ctx.leg("prefill", target.role, target.url) as call:
                 resp = self._post(target, "prefill", path, leg, ctx,
-                                  self.roster.settings.prefill_timeout)
+                                  self.live.settings.prefill_timeout)
                 call.status = resp.status_code
                 self.transport.raise_for_status(resp, "prefill")
                 raw = self.transport.read_body(resp, "prefill",
@@ -383,7 +381,7 @@ class Pipeline:
     def _decode_timeouts(self, stream: bool) -> dict[str, float | None]:
         """A stream's status line and first token come early, so ``decode_timeout`` bounds
         them; a non-stream answer arrives whole at the end, so only the total does."""
-        settings = self.roster.settings
+        settings = self.live.settings
         return {"read_timeout": settings.decode_timeout if stream else None,
                 "chunk_timeout": settings.decode_chunk_timeout,
                 "total_timeout": settings.decode_total_timeout or None}

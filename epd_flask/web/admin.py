@@ -2,7 +2,7 @@
 ``DELETE /instances?url=``.
 
 Thin views: check ``ADMIN_API_KEY``, parse, apply the SSRF policy for instance URLs, hand
-the change to this worker's ``Fleet``, which persists it to the roster file and makes every
+the change to this worker's ``RosterSync``, which persists it to the roster file and makes every
 worker follow. Without a key the API is disabled, and says so. Mounted under
 ``EPD_ADMIN_PREFIX`` when one is set.
 """
@@ -39,7 +39,7 @@ from epd_flask.core.errors import (
     ProxyError,
     Unprocessable,
 )
-from epd_flask.fleet.rostersync import Fleet
+from epd_flask.fleet.rostersync import RosterSync
 from epd_flask.web.services import Services, services
 
 bp = Blueprint("admin", __name__)
@@ -55,8 +55,8 @@ def _authorized() -> Services:
     return svc
 
 
-def _fleet() -> Fleet:
-    return _authorized().fleet
+def _fleet() -> RosterSync:
+    return _authorized().roster_sync
 
 
 def authorize(key: str | None) -> None:
@@ -88,7 +88,7 @@ def list_instances() -> Response:
 @bp.post("/instances")
 def register() -> Response:
     svc = _authorized()
-    fleet = svc.fleet
+    fleet = svc.roster_sync
     try:
         doc = json.loads(request.get_data(cache=False).decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:

@@ -44,7 +44,7 @@ def _context(req: Request, svc: Services) -> RequestContext:
         headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
     ctx = RequestContext(rid, req.path, headers, upstream_id=uid)
     ctx.client_gone = client_watch(req.environ)
-    session_header = svc.roster.settings.session_header
+    session_header = svc.live.settings.session_header
     if session_header:
         ctx.session = req.headers.get(session_header) or None
     return ctx
@@ -166,7 +166,7 @@ def health() -> Response:
     svc = services()
     ready, reason = svc.pipeline.ready()
     doc = {"status": "ok", "ready": ready, "reason": reason,
-           "connector": svc.roster.settings.connector, "instances": svc.registry.snapshot(),
+           "connector": svc.live.settings.connector, "instances": svc.registry.snapshot(),
            "counters": dict(svc.pipeline.counters),
            "load": svc.inflight.snapshot()}
     if svc.discovery is not None:

@@ -13,15 +13,15 @@ from typing import Any
 from flask import Flask, current_app
 
 from epd_flask.control.config import ProxyConfig
-from epd_flask.control.roster import Roster
 from epd_flask.control.urlpolicy import URLPolicy
+from epd_flask.fleet.bootstrap import BootstrapDiscovery
 from epd_flask.fleet.kvevents import KVEvents
+from epd_flask.fleet.live import LiveFleet
 from epd_flask.fleet.prober import Prober
 from epd_flask.fleet.registry import Registry
-from epd_flask.fleet.rostersync import Fleet
+from epd_flask.fleet.rostersync import RosterSync
 from epd_flask.fleet.routing import Router
 from epd_flask.observe import metrics
-from epd_flask.serving.connectors.discovery import BootstrapDiscovery
 from epd_flask.serving.pipeline import Pipeline
 from epd_flask.upstream.transport import Transport
 from epd_flask.web.edge import KeyRing
@@ -34,12 +34,12 @@ EXTENSION = "epd_flask"
 @dataclass
 class Services:
     config: ProxyConfig
-    registry: Registry
+    live: LiveFleet
     router: Router
     transport: Transport
     pipeline: Pipeline
     prober: Prober
-    fleet: Fleet
+    roster_sync: RosterSync
     inflight: InFlight
     drain: Drain
     discovery: BootstrapDiscovery | None = None
@@ -49,9 +49,9 @@ class Services:
     kv_events: KVEvents | None = None
 
     @property
-    def roster(self) -> Roster:
-        """The roster this worker routes by right now (reloads and admin changes replace it)."""
-        return self.pipeline.roster
+    def registry(self) -> Registry:
+        """Each live instance's health (the live fleet's)."""
+        return self.live.registry
 
     def listening_on(self, addresses: Iterable[Any]) -> None:
         """The server's listening addresses, so registration refuses the proxy itself (a
@@ -62,7 +62,7 @@ class Services:
 
     def start(self) -> None:
         self.transport.start()
-        self.fleet.start()  # inherit health first, so the first probe round builds on it
+        self.roster_sync.start()  # inherit health first, so the first probe round builds on it
         self.prober.start()
         if self.discovery is not None:
             self.discovery.start()
@@ -78,7 +78,7 @@ class Services:
         self.history.stop()
         if self.kv_events is not None:
             self.kv_events.stop()
-        self.fleet.stop()
+        self.roster_sync.stop()
         self.transport.close()
 
 

@@ -3,9 +3,9 @@
 ``fleet.py`` runs one trace per scenario through real processes, and a p99 over a few hundred
 requests is the third-slowest of them: one trace cannot say whether a policy's tail is worse
 than round_robin's or the trace was unlucky. This replays many seeds through the *same*
-decisions epd-flask makes (``fleet.routing.Router.decide`` with its roster defaults, the load
-being the prefill requests in flight per instance and their estimated prompt tokens, as
-one worker counts them) and the sim's
+decisions epd-flask makes (``fleet.routing.Router.pick`` over a ``LiveFleet`` with the roster's
+defaults, the load being the prefill requests in flight per instance and their estimated
+prompt tokens, as one worker counts them) and the sim's
 cost model (``sim.costmodel.EngineClock``: a prefill waits for the uncached tokens queued
 before it; ``sim.kvcache.PrefixCache`` per instance), and prints each policy's TTFT p50 and p99
 against round_robin's on the same trace, and how often p99 is over the 80 % target's 1.10x.
@@ -28,7 +28,6 @@ import argparse
 import copy
 import statistics
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,28 +36,13 @@ import chattrace
 import fleet
 import report
 
-from epd_flask.control.roster import Instance
+from epd_flask.control.roster import Instance, Roster, Settings
 from epd_flask.fleet import affinity, routing
+from epd_flask.fleet.live import LiveFleet
 from epd_flask.sim.costmodel import EngineClock
 from epd_flask.sim.kvcache import PrefixCache
 
 POLICIES = ("round_robin", "least_loaded", "prefix", "session", "ideal")
-
-
-@dataclass
-class _Slot:
-    in_flight: int = 0
-    tokens_in_flight: int = 0
-
-
-class _Registry:
-    """What ``Router`` reads of the registry: each instance's calls in flight."""
-
-    def __init__(self, urls: list[str]) -> None:
-        self.slots = {u: _Slot() for u in urls}
-
-    def get(self, url: str) -> _Slot:
-        return self.slots[url]
 
 
 def replay(trace: list[dict[str, Any]], policy: str, rate: float,
@@ -67,8 +51,10 @@ def replay(trace: list[dict[str, Any]], policy: str, rate: float,
     ``policy`` to ``instances`` prefills computing ``rate`` tokens/s each."""
     urls = [f"http://127.0.0.1:{9000 + i}" for i in range(instances)]
     insts = [Instance(role="prefill", url=u) for u in urls]
-    registry = _Registry(urls)
-    router = routing.Router(registry, start=0)  # type: ignore[arg-type]
+    routed = {"prefill": policy} if policy != "ideal" else {}
+    live = LiveFleet(Roster(settings=Settings(routing=routed), instances=tuple(insts)))
+    registry = live.registry
+    router = routing.Router(live, seed=0)
     caches = {u: PrefixCache(capacity=int(fleet.FIGURES["kv_cache_blocks"])) for u in urls}
     clocks = {u: EngineClock() for u in urls}
     running: list[tuple[float, str, int]] = []
@@ -77,21 +63,19 @@ def replay(trace: list[dict[str, Any]], policy: str, rate: float,
     for item, prompts in zip(trace, fleet._prompts(trace), strict=True):
         now = item["t"]
         for _done, url, estimate in [r for r in running if r[0] <= now]:
-            registry.slots[url].in_flight -= 1
-            registry.slots[url].tokens_in_flight -= estimate
+            registry.track(url, -1, tokens=estimate)
         running = [r for r in running if r[0] > now]
         prompt, tokens = prompts[0]
-        request = affinity.request_affinity(item["body"])
+        request = affinity.route_request(item["body"])
         if policy == "ideal":
             url = min(urls, key=lambda u: (max(now, clocks[u].busy_until) + (
                 tokens - copy.deepcopy(caches[u]).lookup_and_insert(prompt, tokens)) / rate))
         else:
-            url = router.decide("prefill", policy, insts, request).instance.url
+            url = router.pick("prefill", request, lambda role, decision: None).url
         work = tokens - caches[url].lookup_and_insert(prompt, tokens)
         computed += work
         ttft = clocks[url].prefill(work, rate, now) + step
-        registry.slots[url].in_flight += 1
-        registry.slots[url].tokens_in_flight += request.prompt_tokens
+        registry.track(url, +1, tokens=request.prompt_tokens)
         running.append((now + ttft, url, request.prompt_tokens))
         ttfts.append(ttft)
     return {"ttfts": ttfts, "computed": computed}

@@ -203,16 +203,16 @@ def test_a_change_in_one_worker_reaches_the_others(fleet, tmp_path: Path) -> Non
     a, b = start(state_dir=str(state)), start(state_dir=str(state))
     # a's sync greenlet stays off: in one test process every app writes the same
     # health-<pid>.json, and a's view (d1 live) written after b's would hide b's eviction.
-    b.services.fleet.start()
+    b.services.roster_sync.start()
     assert post(a, {"role": "decode", "url": d2.url}).status_code == 201
-    b.services.fleet.sync()  # what b's sync greenlet does every SYNC_INTERVAL
-    assert b.services.fleet.generation == a.services.fleet.generation
+    b.services.roster_sync.sync()  # what b's sync greenlet does every SYNC_INTERVAL
+    assert b.services.roster_sync.generation == a.services.roster_sync.generation
     assert d2.url in [i.url for i in b.services.registry.instances("decode")]
     for _ in range(4):
         b.services.registry.record_failure(d1.url, "refused")
-    b.services.fleet.sync()  # writes b's health snapshot
+    b.services.roster_sync.sync()  # writes b's health snapshot
     c = start(state_dir=str(state))
-    c.services.fleet.start()
+    c.services.roster_sync.start()
     assert d1.url in c.services.registry.snapshot()["decode"]["evicted"]
 
 
@@ -224,16 +224,16 @@ def test_a_sibling_writing_later_does_not_hide_an_eviction(fleet, tmp_path: Path
     state = tmp_path / "state"
     StateDir(state).ensure()
     a, b = start(state_dir=str(state)), start(state_dir=str(state))
-    a.services.fleet.start()
-    b.services.fleet.start()
+    a.services.roster_sync.start()
+    b.services.roster_sync.start()
     for _ in range(4):
         b.services.registry.record_failure(d1.url, "refused")
-    b.services.fleet.sync()
+    b.services.roster_sync.sync()
     a.services.registry.record_failure(d1.url, "refused")  # below the threshold: still live
-    a.services.fleet.sync()
+    a.services.roster_sync.sync()
     assert len(list(state.glob("health-*.json"))) == 2
     c = start(state_dir=str(state))
-    c.services.fleet.start()
+    c.services.roster_sync.start()
     assert d1.url in c.services.registry.snapshot()["decode"]["evicted"]
 
 
@@ -245,9 +245,9 @@ def test_a_worker_follows_a_roster_published_while_it_booted(fleet, tmp_path: Pa
     state = tmp_path / "state"
     StateDir(state).ensure()
     a, b = start(state_dir=str(state)), start(state_dir=str(state))  # b booted, not started
-    a.services.fleet.start()
+    a.services.roster_sync.start()
     assert post(a, {"role": "decode", "url": d2.url}).status_code == 201
-    b.services.fleet.start()
+    b.services.roster_sync.start()
     assert d2.url in [i.url for i in b.services.registry.instances("decode")]
 
 

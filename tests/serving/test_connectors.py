@@ -333,3 +333,50 @@ def test_backend_key_replaces_the_clients_bearer_on_every_leg(sim, proxy, spelli
                   headers={spelling: "Bearer sk-client"})
     for server in (p, d):
         assert server.state.requests(1)[0]["headers"]["authorization"] == "Bearer sk-client"
+
+
+def conversation(px, turns: int) -> list[str]:
+    """``turns`` turns of one chat conversation; each turn's request id."""
+    messages = [{"role": "system", "content": LONG_PROMPT},
+                {"role": "user", "content": "what is a fox?"}]
+    ids = []
+    for turn in range(turns):
+        r = requests.post(px.url + "/v1/chat/completions", timeout=10,
+                          json={**CHAT, "messages": messages},
+                          headers={"X-Request-Id": f"turn-{turn}"})
+        assert r.status_code == 200, r.text
+        ids.append(r.headers["X-Request-Id"])
+        messages = [*messages, r.json()["choices"][0]["message"],
+                    {"role": "user", "content": f"and then {turn}?"}]
+    return ids
+
+
+@pytest.mark.parametrize("dp_size", [1, 2])
+def test_mooncake_prefill_follows_the_routing_policy(sim, proxy, caplog, dp_size) -> None:
+    """``routing: {prefill: prefix}`` keeps a conversation on one Mooncake prefill (and rank),
+    where its earlier turns left their KV; each pair decision is in the request's log line."""
+    ps = [sim("prefill", bootstrap_port=0, dp_size=dp_size) for _ in range(2)]
+    d = sim("decode")
+    px = proxy(mooncake_roster(ps, [d], routing={"prefill": "prefix"}), probes=True)
+    assert eventually(lambda: ready(px))
+    with caplog.at_level("INFO", logger="epd_flask.requests"):
+        conversation(px, 4)
+    served = [p.state.stats()["completions"] for p in ps]
+    assert sorted(served) == [0, 4]
+    home = ps[served.index(4)]
+    assert home.state.stats()["prefix_cached_tokens"] > 0  # turns 2-4 met turn 1's KV
+    ranks = {r["headers"]["x-data-parallel-rank"] for r in home.state.requests()
+             if r["path"] == "/v1/chat/completions"}
+    assert len(ranks) == 1
+    assert [line.count("prefill:prefix(hit)") for line in caplog.messages
+            if "request_id=turn-" in line] == [1, 1, 1, 1]
+
+
+def test_mooncake_round_robin_still_alternates_prefills(sim, proxy) -> None:
+    """The default policy spreads a conversation's turns: the contrast with the above."""
+    ps = [sim("prefill", bootstrap_port=0) for _ in range(2)]
+    d = sim("decode")
+    px = proxy(mooncake_roster(ps, [d]), probes=True)
+    assert eventually(lambda: ready(px))
+    conversation(px, 4)
+    assert [p.state.stats()["completions"] for p in ps] == [2, 2]

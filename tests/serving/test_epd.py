@@ -371,3 +371,17 @@ def test_streamed_e_pd_request_relays_events_after_encoding(sim, proxy) -> None:
     assert record["body"]["stream"] is True
     assert [p["type"] for p in media_parts(record)] == ["image_embeds", "audio_embeds"]
     assert completions(enc)[0]["body"]["stream"] is False
+
+
+def test_every_encoder_decision_is_in_the_log_line(sim, proxy, caplog) -> None:
+    """Each media item's encoder is chosen by the encode role's policy and named in the
+    request's log line, repeats in a row counted."""
+    e1, e2 = sim("encode"), sim("encode")
+    p, d = sim("prefill"), sim("decode")
+    px = proxy(roster([e1, e2], [p], [d]))
+    with caplog.at_level(logging.INFO, logger="epd_flask.requests"):
+        r = post(px, chat(image(), image(), image()), headers={"X-Request-Id": "three-images"})
+    assert r.status_code == 200, r.text
+    line = next(m for m in caplog.messages if "request_id=three-images " in m)
+    assert "routing=decode:round_robin(rotation),prefill:round_robin(rotation)," in line
+    assert "encode:round_robin(rotation)x3" in line

@@ -77,7 +77,7 @@ def test_short_prompts_skip_prefill_and_long_ones_do_not(sim, proxy, caplog) -> 
         chat(px.url, [{"role": "user", "content": "hi"}])
     assert p.state.stats()["completions"] == 0 and d.state.stats()["completions"] == 1
     assert "kv_transfer_params" not in d.state.requests(1)[0]["body"]
-    assert "prefill:skipped(short)" in caplog.text
+    assert "prefill:disaggregate(short)" in caplog.text
     chat(px.url, TURN1)  # ~170 estimated tokens
     assert p.state.stats()["completions"] == 1 and d.state.stats()["completions"] == 2
 

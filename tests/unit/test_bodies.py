@@ -27,13 +27,10 @@ PREFILL = Instance(role="prefill", url="http://p:8100", bootstrap_url="http://p:
 DECODE = Instance(role="decode", url="http://d:8200", kv_zmq_addr="10.0.0.2:22001")
 
 
-def connector(name: str, rank: int | None = None, engine: str | None = None):
-    return get_connector(name, lambda exclude, *_: Placement(PREFILL, rank, engine))
-
-
 def route_of(name: str, attempt: int = 0, rank: int | None = None) -> tuple:
-    conn = connector(name, rank, ENGINE if rank is not None else None)
-    return conn, conn.route(DECODE, "rid-1", attempt, frozenset())
+    conn = get_connector(name)
+    placed = Placement(PREFILL, rank, ENGINE if rank is not None else None)
+    return conn, conn.route(DECODE, placed, "rid-1", attempt)
 
 
 @pytest.mark.parametrize(
@@ -111,8 +108,8 @@ def test_nixl_decode_drops_incomplete_handles(missing: str, caplog: pytest.LogCa
                                               ) -> None:
     partial = {k: v for k, v in HANDLES.items() if k != missing}
     assert not complete_handles(partial)
-    conn = connector("nixl")
-    route = conn.route(DECODE, "r-1", 0, frozenset())
+    conn = get_connector("nixl")
+    route = conn.route(DECODE, Placement(PREFILL), "r-1", 0)
     with caplog.at_level(logging.WARNING, logger="epd_flask"):
         out = conn.decode_leg(CHAT, route, {"kv_transfer_params": partial}).body
     assert "kv_transfer_params" not in out
@@ -177,10 +174,10 @@ def test_p2p_nccl_request_id_names_both_kv_addresses() -> None:
     assert re.fullmatch(r"___prefill_addr_10\.0\.0\.1:21001___decode_addr_10\.0\.0\.2:22001_"
                         r"[0-9a-f]{32}", rid)
     assert "kv_transfer_params" not in prefill.body and "kv_transfer_params" not in decode.body
-    again = conn.route(DECODE, "rid-1", 1, frozenset())
+    again = conn.route(DECODE, route.prefill, "rid-1", 1)
     assert again.request_id != route.request_id  # a retry never reuses a failed try's id
 
 
 def test_unknown_connector_is_refused() -> None:
     with pytest.raises(ValueError, match="not available"):
-        get_connector("carrier-pigeon", lambda exclude, *_: Placement(PREFILL))
+        get_connector("carrier-pigeon")

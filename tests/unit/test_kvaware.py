@@ -14,15 +14,16 @@ import pytest
 import zmq
 import zmq.green as zmq_green
 
-from epd_flask.control.roster import Instance, RosterError, parse
+from epd_flask.control.roster import Instance, Roster, RosterError, Settings, parse
 from epd_flask.core import events
 from epd_flask.fleet import policies
-from epd_flask.fleet.kvaware import KVAware, tokenize_request
+from epd_flask.fleet.kvaware import Tokenizer, tokenize_request
 from epd_flask.fleet.kvcache import prompt_keys
 from epd_flask.fleet.kvevents import KVEvents
-from epd_flask.fleet.policies import Affinity, Decision
+from epd_flask.fleet.live import LiveFleet
+from epd_flask.fleet.policies import Decision, Placement, RouteRequest
 from epd_flask.fleet.registry import Registry
-from epd_flask.fleet.routing import Router, serving
+from epd_flask.fleet.routing import Router
 from epd_flask.upstream.transport import Transport
 from tests.bodies import chat
 from tests.fakes import FakeUpstream, Handler, response, serve_and_wait
@@ -79,10 +80,13 @@ def heard() -> Iterator[Heard]:
     events.kv_events.remove_listener(listener)
 
 
-class Settings:
-    routing = {"prefill": "kv_aware"}
-    routing_load_factor = 1.25
-    kv_tokenize_timeout = 0.5
+def kv_router(instances: list[Instance], timeout: float = 0.5) -> tuple[KVEvents, Router]:
+    """A ``kv_aware`` prefill router over ``instances``, reading their KV events."""
+    live = LiveFleet(Roster(settings=Settings(routing={"prefill": "kv_aware"}),
+                            instances=tuple(instances)))
+    kv = KVEvents(live.registry)
+    return kv, Router(live, pictures=kv.picture,
+                      tokenizer=Tokenizer(Transport(), lambda: timeout), seed=0)
 
 
 def fleet(publishers: list[Publisher], n: int) -> tuple[Registry, KVEvents, Router]:
@@ -93,11 +97,8 @@ def fleet(publishers: list[Publisher], n: int) -> tuple[Registry, KVEvents, Rout
         # Nobody listens at these URLs: a /tokenize call is refused at once.
         instances.append(Instance(role="prefill", url=f"http://127.0.0.1:{free_port()}",
                                   kv_events=pub.endpoint))
-    registry = Registry(instances)
-    kv = KVEvents(registry)
-    router = Router(registry, settings=lambda: Settings(),
-                    kv=KVAware(kv, Transport(), lambda: 0.5))
-    return registry, kv, router
+    kv, router = kv_router(instances)
+    return router.live.registry, kv, router
 
 
 def connected(kv: KVEvents, count: int) -> bool:
@@ -122,29 +123,34 @@ def matched(kv: KVEvents, url: str, tokens: list[int]) -> int:
     return 0 if picture is None else picture.matched(prompt_keys(tokens, BLOCK))
 
 
-def route(router: Router, body: dict[str, Any]) -> tuple[Instance, list[str]]:
-    with serving(Affinity(prefix=b"conversation", body=body)) as aff:
-        chosen = router.pick("prefill")
-    return chosen, aff.decisions
+def route(router: Router, body: dict[str, Any], prefix: bytes = b"conversation",
+          headers: dict[str, str] | None = None) -> tuple[Instance, list[str]]:
+    """One request's prefill choice as the pipeline makes it: its tokens asked for once,
+    then the pick; the decisions as its log line would name them."""
+    heard: list[str] = []
+    request = router.with_tokens(RouteRequest(prefix=prefix), ("prefill",), body, headers)
+    chosen = router.pick("prefill", request, lambda role, d: heard.append(d.describe(role)))
+    return chosen.instance, heard
 
 
 def test_kv_choice_most_blocks_under_the_load_bound_ties_to_the_prefix_choice() -> None:
-    a, b, c = (Instance(role="prefill", url=f"http://10.0.0.{i}:1") for i in (1, 2, 3))
-    prefix = Decision(a, policies.KV_AWARE, policies.HIT, "hit")
+    a, b, c = (Placement(Instance(role="prefill", url=f"http://10.0.0.{i}:1"))
+               for i in (1, 2, 3))
+    prefix = Decision(a, "kv_aware", policies.HIT, "hit")
     loads = {a.url: 0, b.url: 0, c.url: 0}
 
     def choose(matched: dict[str, int]) -> Decision:
         return policies.kv_choice([a, b, c], matched, 10, lambda i: loads[i.url], 1.25, prefix)
 
     got = choose({b.url: 7, c.url: 3})
-    assert (got.instance, got.outcome, got.why) == (b, "kvhit", "blocks=7/10,load=0")
-    assert choose({a.url: 4, b.url: 4}).instance == a  # a tie: the prefix choice
-    assert choose({b.url: 4, c.url: 4}).instance == b  # then the first in rendezvous order
+    assert (got.target, got.outcome, got.why) == (b, "kvhit", "blocks=7/10,load=0")
+    assert choose({a.url: 4, b.url: 4}).target == a  # a tie: the prefix choice
+    assert choose({b.url: 4, c.url: 4}).target == b  # then the first in rendezvous order
     got = choose({})
-    assert (got.instance, got.outcome, got.why) == (a, "kvmiss", "blocks=0/10,hit")
+    assert (got.target, got.outcome, got.why) == (a, "kvmiss", "blocks=0/10,hit")
     loads[b.url] = 5  # over ceil(1.25 * 6 / 3) = 3: spills to the next best holder
     got = choose({b.url: 7, c.url: 3})
-    assert (got.instance, got.why) == (c, "blocks=3/10,load=0")
+    assert (got.target, got.why) == (c, "blocks=3/10,load=0")
 
 
 def test_kv_aware_routes_to_the_instance_holding_the_prompt_and_logs_why(
@@ -198,10 +204,7 @@ def test_a_dead_endpoint_warns_once_and_routes_by_prefix(
     endpoint = dead.endpoint
     dead.close()  # nobody listens there now
     inst = Instance(role="prefill", url="http://10.0.0.1:8100", kv_events=endpoint)
-    registry = Registry([inst, Instance(role="prefill", url="http://10.0.0.2:8100")])
-    kv = KVEvents(registry)
-    router = Router(registry, settings=lambda: Settings(),
-                    kv=KVAware(kv, Transport(), lambda: 0.5))
+    kv, router = kv_router([inst, Instance(role="prefill", url="http://10.0.0.2:8100")])
     with caplog.at_level(logging.WARNING, logger="epd_flask.fleet.kvevents"):
         kv.start()
         try:
@@ -293,14 +296,12 @@ def tokenizing_fleet(publishers: list[Publisher], handler: Handler) -> tuple[
     urls = [fake.url, f"http://127.0.0.1:{free_port()}"]
     instances = [Instance(role="prefill", url=u, kv_events=p.endpoint)
                  for u, p in zip(urls, pubs, strict=True)]
-    registry = Registry(instances)
-    kv = KVEvents(registry)
-    router = Router(registry, settings=lambda: Settings(),
-                    kv=KVAware(kv, Transport(), lambda: 0.3))
+    kv, router = kv_router(instances, timeout=0.3)
     kv.sync()
     assert eventually(lambda: connected(kv, 2))
     key = next(k for k in (b"c%d" % i for i in range(100))
-               if policies.rendezvous_order(k, instances)[0].url == fake.url)
+               if policies.rendezvous_order(k, [Placement(i) for i in instances])[0].url
+               == fake.url)
     return kv, router, fake, instances, key
 
 
@@ -318,12 +319,14 @@ def test_tokens_from_tokenize_match_the_held_blocks(publishers: list[Publisher])
         for inst, pub in zip(instances, publishers, strict=True):
             publish_until_ready(kv, pub, inst.url, [1] * BLOCK)  # both have a picture
         publish_until_ready(kv, publishers[1], instances[1].url, PROMPT)
-        with serving(Affinity(prefix=key, body=CHAT,
-                              headers={"Authorization": "Bearer k"})) as aff:
-            chosen = router.pick("prefill")
-            assert router.pick("prefill") == chosen  # a second pick asks no second time
-        assert chosen == instances[1]
-        assert aff.decisions[0] == "prefill:kv_aware(blocks=6/6,load=0)"
+        heard: list[str] = []
+        request = router.with_tokens(RouteRequest(prefix=key), ("prefill", "decode"), CHAT,
+                                     {"Authorization": "Bearer k"})
+        chosen = router.pick("prefill", request, lambda role, d: heard.append(d.describe(role)))
+        # A retry's pick reads the same request: no second /tokenize.
+        assert router.pick("prefill", request, lambda role, d: None) == chosen
+        assert chosen.instance == instances[1]
+        assert heard == ["prefill:kv_aware(blocks=6/6,load=0)"]
         assert len(fake.requests) == 1
         head, _, body = fake.requests[0].partition(b"\r\n\r\n")
         assert head.startswith(b"POST /tokenize ") and b"Authorization: Bearer k" in head
@@ -339,11 +342,10 @@ def test_a_slow_tokenize_is_cut_at_the_timeout_and_routes_by_prefix(
     try:
         publish_until_ready(kv, publishers[1], instances[1].url, PROMPT)
         started = time.monotonic()
-        with serving(Affinity(prefix=key, body=CHAT)) as aff:
-            router.pick("prefill")
+        _chosen, why = route(router, CHAT, prefix=key)
         assert len(fake.requests) == 1
         assert time.monotonic() - started < 2.0  # the 0.3 s timeout, not the 5 s stall
-        assert aff.decisions[0].startswith("prefill:kv_aware(notokens,")
+        assert why[0].startswith("prefill:kv_aware(notokens,")
     finally:
         kv.stop()
         fake.stop()

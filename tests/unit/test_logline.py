@@ -1,10 +1,12 @@
 """The request's logfmt line, built piece by piece (serving/context.py), is byte for byte the
-line the former field-list formatter wrote, kept here as the reference, for drawn contexts:
+line the former field-list formatter wrote (routing decisions repeated in a row written once
+with a count), kept here as the reference, for drawn contexts:
 odd strings (spaces, quotes, equals signs, backslashes, control characters, non-ASCII, empty),
 missing and odd numbers, every optional field present or not."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 from hypothesis import given, settings
@@ -28,7 +30,8 @@ def reference_line(ctx: RequestContext) -> str:
         fields.append(("model", ctx.model))
     fields += list(ctx.instances.items())
     if ctx.routing:
-        fields.append(("routing", ",".join(ctx.routing)))
+        runs = [(entry, len(list(run))) for entry, run in itertools.groupby(ctx.routing)]
+        fields.append(("routing", ",".join(e if n == 1 else f"{e}x{n}" for e, n in runs)))
     fields += [(f"{k}_ms", v) for k, v in ctx.timings.items()]
     fields += [("retries", ctx.retries), ("chunks", ctx.chunks), ("bytes", ctx.bytes_out)]
     rate = ctx.chunks_per_second()
@@ -65,3 +68,12 @@ def test_the_line_is_the_reference_line(rid: str, route: str, status: int | None
     ctx.timings.update(timings)
     ctx.retries, ctx.chunks, ctx.bytes_out = retries, chunks, nbytes
     assert ctx.log_line() == reference_line(ctx)
+
+
+def test_repeated_decisions_are_written_once_with_their_count() -> None:
+    """A request with eight images makes eight encoder decisions; its line stays short."""
+    ctx = RequestContext("r", "/v1/chat/completions", {}, upstream_id="u")
+    ctx.routing.extend(["encode:round_robin(rotation)"] * 8 + ["decode:prefix(hit)",
+                                                               "prefill:prefix(hit)"])
+    assert ("routing=encode:round_robin(rotation)x8,decode:prefix(hit),prefill:prefix(hit) "
+            in ctx.log_line())

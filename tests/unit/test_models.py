@@ -10,13 +10,15 @@ from typing import Any
 import pytest
 
 from epd_flask.control import reload
-from epd_flask.control.roster import Instance, RosterError, Settings, parse
+from epd_flask.control.roster import Instance, Roster, RosterError, Settings, parse
 from epd_flask.control.statedir import STATE_DIR_ENV, StateDir
 from epd_flask.core.errors import ClientError, NoBackend
+from epd_flask.fleet.bootstrap import BootstrapDiscovery, Engines
+from epd_flask.fleet.live import LiveFleet
 from epd_flask.fleet.models import Catalog, ModelListError, ModelNotFound, parse_models
+from epd_flask.fleet.policies import RouteRequest
 from epd_flask.fleet.registry import Registry
 from epd_flask.fleet.routing import Router
-from epd_flask.serving.connectors.discovery import BootstrapDiscovery, Engines
 
 P1 = Instance(role="prefill", url="http://p1:8100", bootstrap_url="http://p1:8998")
 P2 = Instance(role="prefill", url="http://p2:8100", bootstrap_url="http://p2:8998")
@@ -40,6 +42,16 @@ def fleet(**lists: dict[str, dict[str, Any]]) -> Registry:
     for name, cards in lists.items():
         registry.record_models({"p1": P1, "p2": P2, "d1": D1, "d2": D2}[name].url, cards)
     return registry
+
+
+def live_over(registry: Registry, connector: str = "nixl") -> LiveFleet:
+    """The live fleet of those four, keeping ``registry``'s health and models."""
+    return LiveFleet(Roster(settings=Settings(connector=connector),
+                            instances=tuple(registry.instances())), registry=registry)
+
+
+def pick(router: Router, role: str, model: str | None = None) -> str:
+    return router.pick(role, RouteRequest(model=model), lambda role, d: None).url
 
 
 # -- the roster ---------------------------------------------------------------------------
@@ -116,13 +128,15 @@ def test_discovered_models_survive_a_reload_through_the_snapshot() -> None:
 def test_every_stage_is_picked_among_instances_serving_the_model() -> None:
     registry = fleet(d1=answer(card("alpha")), d2=answer(card("beta")),
                      p1=answer(card("alpha")), p2=answer(card("beta")))
-    router = Router(registry)
-    assert {router.pick("decode", model="beta").url for _ in range(4)} == {D2.url}
-    assert {router.pick("prefill", model="alpha").url for _ in range(4)} == {P1.url}
-    assert {router.pick("decode").url for _ in range(4)} == {D1.url, D2.url}
+    router = Router(live_over(registry), seed=0)
+    assert {pick(router, "decode", "beta") for _ in range(4)} == {D2.url}
+    assert {pick(router, "prefill", "alpha") for _ in range(4)} == {P1.url}
+    assert {pick(router, "decode") for _ in range(4)} == {D1.url, D2.url}
     with pytest.raises(NoBackend, match="serving model `gamma`"):
-        router.pick("decode", model="gamma")
-    assert [i.url for i in router.pick_many("prefill", 3, model="beta")] == [P2.url] * 3
+        pick(router, "decode", "gamma")
+    each = router.pick_each("prefill", [b"a", b"b", b"c"], RouteRequest(model="beta"),
+                            lambda role, d: None)
+    assert [p.url for p in each] == [P2.url] * 3
 
 
 def test_an_instance_not_read_yet_is_a_candidate_for_any_model() -> None:
@@ -143,20 +157,24 @@ def test_prefill_must_run_the_model_on_the_decodes_base() -> None:
 
 def test_mooncake_pairs_are_filtered_by_model() -> None:
     registry = fleet(p1=answer(card("alpha")), p2=answer(card("beta")))
-    found = BootstrapDiscovery(registry, transport=None, settings=Settings)  # type: ignore[arg-type]
+    live = live_over(registry, connector="mooncake")
+    found = BootstrapDiscovery(live, transport=None)  # type: ignore[arg-type]
     found._engines[P1.url] = Engines(P1.bootstrap_url or "", ("a0", "a1"))
     found._engines[P2.url] = Engines(P2.bootstrap_url or "", ("b0",))
     assert {(p.instance.url, p.dp_rank) for p in found.placements("beta")} == {(P2.url, 0)}
-    assert {found.pick(model="alpha").engine_id for _ in range(4)} == {"a0", "a1"}
+    router = Router(live, sources={"prefill": found}, seed=0)
+    alpha = RouteRequest(model="alpha")
+    assert {router.pick("prefill", alpha, lambda role, d: None).engine_id
+            for _ in range(4)} == {"a0", "a1"}
     with pytest.raises(NoBackend, match="gamma"):
-        found.pick(model="gamma")
+        router.pick("prefill", RouteRequest(model="gamma"), lambda role, d: None)
 
 
 # -- the catalog ---------------------------------------------------------------------------
 
 
 def catalog(registry: Registry) -> Catalog:
-    return Catalog(registry, lambda: "decode")
+    return Catalog(live_over(registry))
 
 
 def test_resolve_answers_404_503_or_the_model() -> None:

@@ -12,23 +12,27 @@ from collections import Counter
 
 import pytest
 
-from epd_flask.control.roster import Instance, RosterError, parse
+from epd_flask.control.roster import Instance, Roster, RosterError, Settings, parse
 from epd_flask.fleet import affinity, policies
-from epd_flask.fleet.policies import Affinity
-from epd_flask.fleet.registry import Registry
-from epd_flask.fleet.routing import Router, serving
+from epd_flask.fleet.live import LiveFleet
+from epd_flask.fleet.policies import Decision, Placement, RouteRequest
+from epd_flask.fleet.routing import Router
 
 
-def prefills(n: int) -> list[Instance]:
+def instances(n: int) -> list[Instance]:
     return [Instance(role="prefill", url=f"http://10.0.0.{i}:8100") for i in range(1, n + 1)]
+
+
+def prefills(n: int) -> list[Placement]:
+    return [Placement(i) for i in instances(n)]
 
 
 def keys(n: int) -> list[bytes]:
     return [f"conversation-{i}".encode() for i in range(n)]
 
 
-def owner(key: bytes, instances: list[Instance]) -> str:
-    return policies.rendezvous_order(key, instances)[0].url
+def owner(key: bytes, candidates: list[Placement]) -> str:
+    return policies.rendezvous_order(key, candidates)[0].url
 
 
 def test_rendezvous_is_the_same_in_another_process_with_another_hash_seed() -> None:
@@ -66,12 +70,12 @@ def test_bounded_load_spills_a_hot_key_to_its_next_instance() -> None:
     order = policies.rendezvous_order(key, instances)
     load = Counter({order[0].url: 5})
     decision = policies.bounded_rendezvous(key, instances, lambda i: load[i.url], 1.25,
-                                           policies.PREFIX)
+                                           "prefix")
     # bound = ceil(1.25 * 6 / 4) = 2: the owner holds 5, so its next in order takes it.
-    assert decision.instance == order[1] and decision.outcome == policies.SPILL
+    assert decision.target == order[1] and decision.outcome == policies.SPILL
     assert decision.why == "spill1:5>=2"
-    idle = policies.bounded_rendezvous(key, instances, lambda i: 0, 1.25, policies.PREFIX)
-    assert idle.instance == order[0] and idle.outcome == policies.HIT
+    idle = policies.bounded_rendezvous(key, instances, lambda i: 0, 1.25, "prefix")
+    assert idle.target == order[0] and idle.outcome == policies.HIT
 
 
 def test_bounded_load_keeps_every_instance_under_the_bound_for_one_hot_key() -> None:
@@ -79,7 +83,7 @@ def test_bounded_load_keeps_every_instance_under_the_bound_for_one_hot_key() -> 
     load: Counter[str] = Counter()
     for _ in range(40):  # 40 requests of one prefix, none finishing
         decision = policies.bounded_rendezvous(b"hot", instances, lambda i: load[i.url], 1.25,
-                                               policies.PREFIX)
+                                               "prefix")
         load[decision.instance.url] += 1
     assert max(load.values()) <= 13  # ceil(1.25 * 40 / 4)
     assert len(load) == 4
@@ -90,7 +94,7 @@ def test_power_of_two_takes_the_less_loaded_of_its_draw() -> None:
     load = {instances[0].url: 7, instances[1].url: 2}
     for seed in range(10):
         d = policies.power_of_two(instances, lambda i: load[i.url], random.Random(seed))
-        assert d.instance == instances[1] and d.why == "2<7"
+        assert d.target == instances[1] and d.why == "2<7"
 
 
 def test_chat_prefix_key_is_stable_across_turns_and_differs_between_conversations() -> None:
@@ -99,60 +103,72 @@ def test_chat_prefix_key_is_stable_across_turns_and_differs_between_conversation
     turn2 = {"messages": turn1["messages"] + [
         {"role": "assistant", "content": "a language"}, {"role": "user", "content": "and go?"}]}
     other = {"messages": [system, {"role": "user", "content": "what is zig?"}]}
-    a1, a2, b = (affinity.request_affinity(x) for x in (turn1, turn2, other))
+    a1, a2, b = (affinity.route_request(x) for x in (turn1, turn2, other))
     assert a1.prefix == a2.prefix != b.prefix
     assert a2.prompt_tokens > a1.prompt_tokens > 150  # 750 characters of system prompt
 
 
 def test_completion_prefix_key_uses_the_leading_blocks_only() -> None:
     head = "x" * (affinity.PREFIX_BLOCK_CHARS * affinity.PREFIX_BLOCKS)
-    one = affinity.request_affinity({"prompt": head + "first question"})
-    two = affinity.request_affinity({"prompt": head + "another question entirely"})
-    short = affinity.request_affinity({"prompt": "hi"})
+    one = affinity.route_request({"prompt": head + "first question"})
+    two = affinity.route_request({"prompt": head + "another question entirely"})
+    short = affinity.route_request({"prompt": "hi"})
     assert one.prefix == two.prefix and short.prefix is not None
-    assert affinity.request_affinity({"prompt": "a" * 400}).prompt_tokens == 100
+    assert affinity.route_request({"prompt": "a" * 400}).prompt_tokens == 100
 
 
 def test_session_key_is_the_user_field() -> None:
-    a = affinity.request_affinity({"prompt": "x", "user": "alice"})
-    b = affinity.request_affinity({"prompt": "y", "user": "alice"})
+    a = affinity.route_request({"prompt": "x", "user": "alice"})
+    b = affinity.route_request({"prompt": "y", "user": "alice"})
     assert a.session == b.session is not None and a.prefix != b.prefix
 
 
-class FakeSettings:
-    def __init__(self, routing: dict[str, str], factor: float = 1.25) -> None:
-        self.routing = routing
-        self.routing_load_factor = factor
+def router_over(members: list[Instance], routing: dict[str, str]) -> Router:
+    return Router(LiveFleet(Roster(settings=Settings(routing=routing),
+                                   instances=tuple(members))), seed=0)
+
+
+class Heard:
+    """A request context's ``decided`` as far as these tests care: the log line's entries."""
+
+    def __init__(self) -> None:
+        self.decisions: list[str] = []
+
+    def __call__(self, role: str, decision: Decision) -> None:
+        self.decisions.append(decision.describe(role))
+
+
+def pick(router: Router, role: str = "prefill", heard: Heard | None = None,
+         **request: object) -> Placement:
+    return router.pick(role, RouteRequest(**request), heard or Heard())  # type: ignore[arg-type]
 
 
 def test_router_prefix_picks_the_same_instance_and_logs_why() -> None:
-    registry = Registry(prefills(4))
-    router = Router(registry, settings=lambda: FakeSettings({"prefill": "prefix"}))
+    router = router_over(instances(4), {"prefill": "prefix"})
     picks = set()
     for _ in range(5):
-        with serving(Affinity(prefix=b"conversation")) as aff:
-            picks.add(router.pick("prefill").url)
-        assert aff.decisions == ["prefill:prefix(hit)"]
+        heard = Heard()
+        picks.add(pick(router, heard=heard, prefix=b"conversation").url)
+        assert heard.decisions == ["prefill:prefix(hit)"]
     assert len(picks) == 1
 
 
 def test_router_prefix_without_a_key_rotates_and_kv_aware_without_events_as_prefix() -> None:
-    registry = Registry(prefills(3))
-    router = Router(registry, settings=lambda: FakeSettings({"prefill": "kv_aware"}))
-    assert len({router.pick("prefill").url for _ in range(3)}) == 3
-    with serving(Affinity(prefix=b"k")) as aff:
-        chosen = router.pick("prefill")
-    assert chosen == policies.rendezvous_order(b"k", registry.live("prefill"))[0]
-    assert aff.decisions == ["prefill:kv_aware(noevents,hit)"]
+    router = router_over(instances(3), {"prefill": "kv_aware"})
+    assert len({pick(router).url for _ in range(3)}) == 3
+    heard = Heard()
+    chosen = pick(router, heard=heard, prefix=b"k")
+    assert chosen == policies.rendezvous_order(b"k", prefills(3))[0]
+    assert heard.decisions == ["prefill:kv_aware(noevents,hit)"]
 
 
 def test_router_least_loaded_reads_the_registry_in_flight_count() -> None:
-    registry = Registry(prefills(2))
-    router = Router(registry, settings=lambda: FakeSettings({"prefill": "least_loaded"}))
-    busy = prefills(2)[0].url
+    router = router_over(instances(2), {"prefill": "least_loaded"})
+    registry = router.live.registry
+    busy = instances(2)[0].url
     for _ in range(3):
         registry.track(busy, +1)
-    assert {router.pick("prefill").url for _ in range(10)} == {prefills(2)[1].url}
+    assert {pick(router).url for _ in range(10)} == {instances(2)[1].url}
     for _ in range(3):
         registry.track(busy, -1)
     assert registry.get(busy).in_flight == 0
@@ -189,29 +205,31 @@ def test_conversations_of_one_system_prompt_stay_on_half_the_instances() -> None
 
 def test_chat_shared_key_is_the_system_prompt() -> None:
     system = {"role": "system", "content": "be brief"}
-    a = affinity.request_affinity({"messages": [system, {"role": "user", "content": "a"}]})
-    b = affinity.request_affinity({"messages": [system, {"role": "user", "content": "b"}]})
-    bare = affinity.request_affinity({"messages": [{"role": "user", "content": "a"}]})
+    a = affinity.route_request({"messages": [system, {"role": "user", "content": "a"}]})
+    b = affinity.route_request({"messages": [system, {"role": "user", "content": "b"}]})
+    bare = affinity.route_request({"messages": [{"role": "user", "content": "a"}]})
     assert a.shared == b.shared is not None and a.prefix != b.prefix and bare.shared is None
 
 
 def test_prefill_load_is_prompt_tokens_in_flight_and_decode_load_is_calls() -> None:
     """One long prompt queued outweighs several short ones on a prefill; on a decode every
     stream counts one whatever its prompt."""
-    registry = Registry([*prefills(2), Instance(role="decode", url="http://10.0.0.9:8200"),
-                         Instance(role="decode", url="http://10.0.0.8:8200")])
-    router = Router(registry, settings=lambda: FakeSettings(
-        {"prefill": "least_loaded", "decode": "least_loaded"}))
-    short, long = (i.url for i in prefills(2))
+    router = router_over([*instances(2), Instance(role="decode", url="http://10.0.0.9:8200"),
+                          Instance(role="decode", url="http://10.0.0.8:8200")],
+                         {"prefill": "least_loaded", "decode": "least_loaded"})
+    registry = router.live.registry
+    short, long = (i.url for i in instances(2))
     for _ in range(3):
         registry.track(short, +1, tokens=20)
     registry.track(long, +1, tokens=3000)
-    assert router.load(prefills(2)[0]) == 63 and router.load(prefills(2)[1]) == 3001
-    assert {router.pick("prefill").url for _ in range(10)} == {short}
+    load = router.load("prefill")
+    assert load.measure(instances(2)[0]) == 63 and load.measure(instances(2)[1]) == 3001
+    assert load.calls(instances(2)[0]) == 3 and load.calls(instances(2)[1]) == 1
+    assert {pick(router).url for _ in range(10)} == {short}
     registry.track("http://10.0.0.9:8200", +1, tokens=3000)
     for _ in range(3):
         registry.track("http://10.0.0.8:8200", +1, tokens=20)
-    assert {router.pick("decode").url for _ in range(10)} == {"http://10.0.0.9:8200"}
+    assert {pick(router, "decode").url for _ in range(10)} == {"http://10.0.0.9:8200"}
     registry.track(long, -1, tokens=3000)
     assert registry.get(long).in_flight == 0 and registry.get(long).tokens_in_flight == 0
 
@@ -219,13 +237,13 @@ def test_prefill_load_is_prompt_tokens_in_flight_and_decode_load_is_calls() -> N
 def test_prefix_bound_stays_in_calls_on_a_prefill() -> None:
     """The affinity policies bound calls, not tokens: a prefix's instance holding one long
     prompt and fewer calls than the others keeps its key."""
-    registry = Registry(prefills(3))
-    router = Router(registry, settings=lambda: FakeSettings({"prefill": "prefix"}))
-    order = policies.rendezvous_order(b"hot", registry.live("prefill"))
+    router = router_over(instances(3), {"prefill": "prefix"})
+    registry = router.live.registry
+    order = policies.rendezvous_order(b"hot", prefills(3))
     registry.track(order[0].url, +1, tokens=5000)
     for other in order[1:]:
         for _ in range(2):
             registry.track(other.url, +1, tokens=10)
-    with serving(Affinity(prefix=b"hot", prompt_tokens=100)) as aff:
-        assert router.pick("prefill") == order[0]
-    assert aff.decisions == ["prefill:prefix(hit)"]
+    heard = Heard()
+    assert pick(router, heard=heard, prefix=b"hot", prompt_tokens=100) == order[0]
+    assert heard.decisions == ["prefill:prefix(hit)"]

@@ -17,6 +17,7 @@ from epd_flask.control import reload
 from epd_flask.control.roster import (
     Instance,
     RoleConflict,
+    Roster,
     RosterError,
     load,
     parse,
@@ -24,6 +25,8 @@ from epd_flask.control.roster import (
 )
 from epd_flask.control.rosterfile import RosterFileError, register, unregister
 from epd_flask.control.statedir import STATE_DIR_ENV, StateDir, atomic_write, merge_health
+from epd_flask.fleet.live import LiveFleet
+from epd_flask.fleet.policies import RouteRequest
 from epd_flask.fleet.registry import Registry
 from epd_flask.fleet.routing import Router
 
@@ -201,11 +204,11 @@ def test_passive_failures_evict_at_the_threshold_like_probes() -> None:
 
 
 def test_new_workers_start_their_rotation_at_random_places() -> None:
-    instances = [decode(p) for p in range(1, 9)]
+    roster = Roster(instances=tuple(decode(p) for p in range(1, 9)))
     firsts = set()
     for _ in range(40):
-        reg = Registry(instances)
-        firsts.add(Router(reg, start=None).pick("decode").url)
+        router = Router(LiveFleet(roster))  # no seed, as under gunicorn
+        firsts.add(router.pick("decode", RouteRequest(), lambda role, d: None).url)
     # A fixed start would send every new worker's first request to the same instance.
     assert len(firsts) > 1
 

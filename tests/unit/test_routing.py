@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from epd_flask.control.roster import Instance
+from epd_flask.control.roster import Instance, Roster
 from epd_flask.core.errors import NoBackend
+from epd_flask.fleet.live import LiveFleet
+from epd_flask.fleet.policies import RouteRequest
 from epd_flask.fleet.registry import Registry
 from epd_flask.fleet.routing import Router
 
@@ -15,35 +17,42 @@ def decodes(*ports: int) -> list[Instance]:
     return [Instance(role="decode", url=f"http://127.0.0.1:{p}") for p in ports]
 
 
+def router_over(instances: list[Instance]) -> Router:
+    return Router(LiveFleet(Roster(instances=tuple(instances))), seed=0)
+
+
+def pick(router: Router, role: str = "decode", **request: object) -> str:
+    return router.pick(role, RouteRequest(**request), lambda role, decision: None).url  # type: ignore[arg-type]
+
+
 def test_round_robin_visits_every_live_instance_in_turn() -> None:
-    router = Router(Registry(decodes(1, 2, 3)))
-    picks = [router.pick("decode").url[-1] for _ in range(6)]
+    router = router_over(decodes(1, 2, 3))
+    picks = [pick(router)[-1] for _ in range(6)]
     assert picks == ["1", "2", "3", "1", "2", "3"]
 
 
 def test_cursor_survives_a_roster_change() -> None:
-    registry = Registry(decodes(1, 2, 3))
-    router = Router(registry)
-    assert [router.pick("decode").url[-1] for _ in range(2)] == ["1", "2"]
-    registry.replace(decodes(1, 2, 3, 4))
+    router = router_over(decodes(1, 2, 3))
+    assert [pick(router)[-1] for _ in range(2)] == ["1", "2"]
+    router.live.adopt(Roster(instances=tuple(decodes(1, 2, 3, 4))), 1)
     # The rotation continues (index 2) instead of restarting at the first instance.
-    assert router.pick("decode").url[-1] == "3"
+    assert pick(router)[-1] == "3"
 
 
 def test_no_live_instance_is_a_503_naming_the_role() -> None:
-    router = Router(Registry([]))
+    router = router_over([])
     with pytest.raises(NoBackend) as info:
-        router.pick("decode")
+        pick(router)
     assert info.value.status == 503
     assert "decode" in info.value.message
 
 
 def test_exclude_prefers_other_instances_but_falls_back() -> None:
-    router = Router(Registry(decodes(1, 2)))
+    router = router_over(decodes(1, 2))
     for _ in range(4):
-        assert router.pick("decode", exclude=frozenset({"http://127.0.0.1:1"})).url.endswith(":2")
-    single = Router(Registry(decodes(1)))
-    assert single.pick("decode", exclude=frozenset({"http://127.0.0.1:1"})).url.endswith(":1")
+        assert pick(router, exclude=frozenset({"http://127.0.0.1:1"})).endswith(":2")
+    single = router_over(decodes(1))
+    assert pick(single, exclude=frozenset({"http://127.0.0.1:1"})).endswith(":1")
 
 
 def test_eviction_after_threshold_and_rejoin_on_first_success() -> None:

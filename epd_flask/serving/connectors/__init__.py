@@ -10,16 +10,13 @@ class.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
 
 from epd_flask.control.connectorspecs import CONNECTORS
+from epd_flask.fleet.policies import Placement
 from epd_flask.serving.connectors.base import (
     Body,
     Connector,
     LegRequest,
-    PickPrefill,
-    Placement,
-    Readiness,
     Route,
     SplitConnector,
     prime_body,
@@ -39,10 +36,9 @@ def connector_class(name: str) -> type[SplitConnector]:
     return cls
 
 
-def get_connector(name: str, pick_prefill: PickPrefill,
-                  readiness: Callable[[], Readiness] | None = None) -> Connector:
-    return connector_class(name)(pick_prefill, readiness)
+def get_connector(name: str) -> Connector:
+    return connector_class(name)()
 
 
-__all__ = ["CONNECTORS", "Body", "Connector", "LegRequest", "PickPrefill", "Placement", "Readiness",
-           "Route", "SplitConnector", "connector_class", "get_connector", "prime_body"]
+__all__ = ["CONNECTORS", "Body", "Connector", "LegRequest", "Placement", "Route",
+           "SplitConnector", "connector_class", "get_connector", "prime_body"]

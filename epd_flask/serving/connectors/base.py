@@ -8,15 +8,14 @@ pipeline does the I/O; connectors are plain functions of dicts, testable with no
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 from epd_flask.control.roster import Instance
+from epd_flask.fleet.policies import Placement
 from epd_flask.serving import fields
 
 Body = dict[str, Any]
-Readiness = tuple[bool, str]
 
 
 def prime_body(body: Body) -> Body:
@@ -39,25 +38,6 @@ def prime_body(body: Body) -> Body:
 
 
 @dataclass(frozen=True)
-class Placement:
-    """Where a prefill leg runs: the instance and, when a connector names one, its DP rank and
-    the engine id that rank announced."""
-
-    instance: Instance
-    dp_rank: int | None = None
-    engine_id: str | None = None
-
-
-class PickPrefill(Protocol):
-    """Chooses the prefill of an attempt: not in ``exclude`` when others exist, serving
-    ``model`` on ``base`` (the base model decode runs it on) when given
-    (docs/behaviour.md#models)."""
-
-    def __call__(self, exclude: frozenset[str], model: str | None = None,
-                 base: str | None = None) -> Placement: ...
-
-
-@dataclass(frozen=True)
 class Route:
     """The instances one attempt of a request runs on."""
 
@@ -77,23 +57,24 @@ class LegRequest:
 
 
 class Connector(Protocol):
-    """How one KV connector shapes the prefill and decode legs of a P+D request."""
+    """How one KV connector shapes the prefill and decode legs of a P+D request. The prefill
+    (and its rank) is chosen by the router; the connector only says what each leg carries."""
 
     name: str
     #: Run prefill and decode at once (decode pulls KV as prefill computes it) instead of
     #: draining prefill first.
     concurrent: bool
-    #: Decode can serve on its own (recomputing the prompt) when the prefill leg fails.
+    #: Decode can serve on its own, computing the prompt itself: when the prefill leg fails
+    #: (``prefill_failure: recompute``) and for prompts too short to be worth a prefill.
     recomputes: bool
+    #: Prefill candidates come from each prefill's Mooncake bootstrap server (its engine id
+    #: per rank) rather than from the roster alone.
+    bootstrap: bool
 
-    def ready(self) -> Readiness:
-        """Whether this connector knows enough to route a request (e.g. bootstrap discovery)."""
-
-    def route(self, decode: Instance, request_id: str, attempt: int,
-              exclude: frozenset[str], model: str | None = None,
-              base: str | None = None) -> Route:
-        """Pick the prefill (and rank) for this attempt; ``exclude`` lists URLs that failed,
-        ``model`` and ``base`` what the prefill must serve."""
+    def route(self, decode: Instance, prefill: Placement, request_id: str,
+              attempt: int) -> Route:
+        """This attempt's route; ``request_id`` is its upstream id (a connector may derive
+        the legs' ids from it)."""
 
     def prefill_leg(self, body: Body, route: Route) -> LegRequest:
         """The prefill call."""
@@ -103,7 +84,7 @@ class Connector(Protocol):
 
 
 class SplitConnector:
-    """The common ground: prefill picked by whoever the app wires in, bodies left to subclasses.
+    """The common ground: the route as the router placed it, bodies left to subclasses.
 
     Subclassing is optional; anything that satisfies ``Connector`` will do.
     """
@@ -111,25 +92,14 @@ class SplitConnector:
     name: ClassVar[str] = ""
     concurrent: ClassVar[bool] = False
     recomputes: ClassVar[bool] = True
-    #: Needs each prefill's Mooncake bootstrap server discovered before it can route.
     bootstrap: ClassVar[bool] = False
 
-    def __init__(self, pick_prefill: PickPrefill,
-                 readiness: Callable[[], Readiness] | None = None) -> None:
-        self._pick_prefill = pick_prefill
-        self._readiness = readiness
-
-    def ready(self) -> Readiness:
-        return self._readiness() if self._readiness is not None else (True, "ok")
-
-    def route(self, decode: Instance, request_id: str, attempt: int,
-              exclude: frozenset[str], model: str | None = None,
-              base: str | None = None) -> Route:
-        return Route(self._pick_prefill(exclude, model, base), decode, request_id, attempt)
+    def route(self, decode: Instance, prefill: Placement, request_id: str,
+              attempt: int) -> Route:
+        return Route(prefill, decode, request_id, attempt)
 
     def prefill_leg(self, body: Body, route: Route) -> LegRequest:
         raise NotImplementedError
 
     def decode_leg(self, body: Body, route: Route, prefill_reply: Body | None) -> LegRequest:
         raise NotImplementedError
-

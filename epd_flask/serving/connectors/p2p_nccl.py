@@ -12,6 +12,7 @@ import uuid
 
 from epd_flask.control.roster import Instance
 from epd_flask.core.headers import REQUEST_ID_HEADER
+from epd_flask.fleet.policies import Placement
 from epd_flask.serving.connectors.base import Body, LegRequest, Route, SplitConnector, prime_body
 
 
@@ -24,13 +25,11 @@ class P2pNcclConnector(SplitConnector):
     name = "p2p_nccl"
     recomputes = False
 
-    def route(self, decode: Instance, request_id: str, attempt: int,
-              exclude: frozenset[str], model: str | None = None,
-              base: str | None = None) -> Route:
-        placed = self._pick_prefill(exclude, model, base)
+    def route(self, decode: Instance, prefill: Placement, request_id: str,
+              attempt: int) -> Route:
         # One id per attempt: a retry must not collide with tensors a failed try left behind.
-        leg_id = pair_request_id(placed.instance.kv_zmq_addr or "", decode.kv_zmq_addr or "")
-        return Route(placed, decode, leg_id, attempt)
+        leg_id = pair_request_id(prefill.instance.kv_zmq_addr or "", decode.kv_zmq_addr or "")
+        return Route(prefill, decode, leg_id, attempt)
 
     def prefill_leg(self, body: Body, route: Route) -> LegRequest:
         out = prime_body(body)

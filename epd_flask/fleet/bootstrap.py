@@ -4,29 +4,30 @@ A MooncakeConnector prefill serves ``GET /query`` on its bootstrap server, namin
 of every DP rank; decode needs that id to pull the KV. The ids change whenever a prefill
 restarts, so a background greenlet (started by the server, like the prober) learns them at
 start, again as soon as a prefill rejoins after an eviction, and re-checks them every probe
-interval (a quick restart is never evicted, only its answer changes). Requests are spread
-round-robin over (prefill, rank) pairs with one cursor that only advances
-(docs/behaviour.md#routing).
+interval (a quick restart is never evicted, only its answer changes). It is the prefill role's
+source of candidates: every (prefill, rank) pair with a current engine id, among which the
+prefill's routing policy chooses like any other role's (docs/behaviour.md#routing).
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import gevent.pool
 
-from epd_flask.control.roster import Instance, Settings
+from epd_flask.control.roles import PREFILL
+from epd_flask.control.roster import Instance
 from epd_flask.core.errors import NoBackend, ProxyError
 from epd_flask.core.periodic import Periodic
-from epd_flask.fleet.registry import Registry
-from epd_flask.serving.connectors import Placement, Readiness
+from epd_flask.fleet.live import LiveFleet
+from epd_flask.fleet.policies import Placement
 from epd_flask.upstream.transport import Transport
+
+Readiness = tuple[bool, str]
 
 logger = logging.getLogger(__name__)
 
@@ -82,16 +83,13 @@ class Engines:
 
 
 class BootstrapDiscovery:
-    def __init__(self, registry: Registry, transport: Transport,
-                 settings: Callable[[], Settings]) -> None:
-        self.registry = registry
+    def __init__(self, live: LiveFleet, transport: Transport) -> None:
+        self.live = live
         self.transport = transport
-        self.settings = settings
         self._engines: dict[str, Engines] = {}
         self._asked_at: dict[str, float] = {}
         self._was_live: dict[str, bool] = {}
         self._errors: dict[str, str] = {}
-        self._cursor = itertools.count()
         self._pool = gevent.pool.Pool(QUERY_CONCURRENCY)
         self._loop = Periodic("bootstrap discovery round", self.refresh_due,
                               lambda: TICK_SECONDS)
@@ -107,12 +105,12 @@ class BootstrapDiscovery:
     def refresh_due(self) -> None:
         """Ask every live prefill whose answer is missing, stale or due for a re-check."""
         now = time.monotonic()
-        recheck = self.settings().probe_interval
+        recheck = self.live.settings.probe_interval
         due: list[Instance] = []
         listed: set[str] = set()
-        for state in self.registry.states():
+        for state in self.live.registry.states():
             inst = state.instance
-            if inst.role != "prefill":
+            if inst.role != PREFILL:
                 continue
             url = inst.url
             listed.add(url)
@@ -145,7 +143,7 @@ class BootstrapDiscovery:
         try:
             resp = self.transport.send(
                 "GET", inst.bootstrap_url + "/query", stage="bootstrap", headers={},
-                read_timeout=self.settings().probe_timeout, stream=False)
+                read_timeout=self.live.settings.probe_timeout, stream=False)
             status, raw = resp.status_code, resp.content
             resp.close()
             if status != 200:
@@ -154,7 +152,7 @@ class BootstrapDiscovery:
         except (ProxyError, ValueError) as err:
             self._note_error(url, f"{inst.bootstrap_url}/query: {err}")
             return False
-        if self.registry.get(url) is None:
+        if self.live.registry.get(url) is None:
             return False  # removed from the roster while we asked
         old = self._engines.get(url)
         if old is None:
@@ -177,7 +175,7 @@ class BootstrapDiscovery:
         """Every (live prefill, rank) pair with a current engine id, in roster order; with
         ``model``, only prefills serving it (on ``base``) (docs/behaviour.md#models)."""
         out: list[Placement] = []
-        for inst in self.registry.live("prefill", model, base):
+        for inst in self.live.registry.live(PREFILL, model, base):
             entry = self._engines.get(inst.url)
             if entry is None or not entry.current or entry.bootstrap_url != inst.bootstrap_url:
                 continue
@@ -185,19 +183,19 @@ class BootstrapDiscovery:
                        for rank, engine_id in enumerate(entry.engine_ids))
         return out
 
-    def pick(self, exclude: frozenset[str] = frozenset(), model: str | None = None,
-             base: str | None = None) -> Placement:
+    def candidates(self, role: str, model: str | None = None,
+                   base: str | None = None) -> list[Placement]:
+        """The prefill role's candidates: every discovered (prefill, rank) pair."""
         pairs = self.placements(model, base)
         if not pairs:
             serving = f" serving model `{model}`" if model is not None else ""
-            raise NoBackend(f"no live prefill{serving} with a discovered Mooncake engine is "
-                            "available", stage="prefill")
-        preferred = [p for p in pairs if p.instance.url not in exclude] or pairs
-        return preferred[next(self._cursor) % len(preferred)]
+            raise NoBackend(f"no live {role}{serving} with a discovered Mooncake engine is "
+                            "available", stage=role)
+        return pairs
 
     def ready(self) -> Readiness:
         """Not ready until every live prefill has been discovered once, and one is usable."""
-        for inst in self.registry.live("prefill"):
+        for inst in self.live.registry.live(PREFILL):
             if inst.url not in self._engines:
                 why = self._errors.get(inst.url, "not asked yet")
                 return False, f"Mooncake bootstrap of prefill {inst.url} not discovered ({why})"
