@@ -361,9 +361,8 @@ def test_tokenize_answering_ids_no_block_can_hold_routes_by_prefix(
     kv, router, fake, instances, key = tokenizing_fleet(publishers, answer)
     try:
         publish_until_ready(kv, publishers[1], instances[1].url, PROMPT)
-        with serving(Affinity(prefix=key, body=CHAT)) as aff:
-            router.pick("prefill")
-        assert aff.decisions[0].startswith("prefill:kv_aware(notokens,")
+        _chosen, why = route(router, CHAT, prefix=key)
+        assert why[0].startswith("prefill:kv_aware(notokens,")
     finally:
         kv.stop()
         fake.stop()
