@@ -17,9 +17,10 @@ import pytest
 
 from epd_flask.sim import SimConfig, SimServer
 from tests.bodies import chat, completion, completion_stream, image, text
+from tests.helpers import eventually
 from tests.rosters import roster
 from tests.sim.wireshape import body_shape
-from tests.vllm.checks import post
+from tests.vllm.checks import METRICS_SETTLE_SECONDS, post
 
 pytestmark = pytest.mark.vllm
 
@@ -81,6 +82,9 @@ def test_real_encoder_feeds_the_lm_by_hand(epd):
 
 @pytest.mark.parametrize("stream", [False, True], ids=["chat", "chat-stream"])
 def test_proxy_runs_the_encoder_stage(epd, proxy, stream):
+    """Through the proxy, the encoder encodes the image (its request counter, read over
+    HTTP, moves by exactly one: one image, one call) and the LM loads that embedding from
+    the shared store rather than encoding the image itself."""
     extra = {"stream": True} if stream else {}
     encoded_before = _encoded(epd)
     log_before = len(epd.lm.log_text())
@@ -89,9 +93,9 @@ def test_proxy_runs_the_encoder_stage(epd, proxy, stream):
 
     assert reply.status == 200, reply.raw
     assert reply.text
-    if _encoded(epd) == encoded_before:
-        pytest.xfail("the proxy on this branch never called the encoder (issue 4): the LM "
-                     "encoded the image itself")
+    eventually(lambda: _encoded(epd) > encoded_before, METRICS_SETTLE_SECONDS,
+               what="the encoder counting the proxy's request")
+    assert _encoded(epd) == encoded_before + 1
     loaded = epd.lm.log_text()[log_before:]
     assert "Success load encoder cache for hash" in loaded
 
