@@ -24,7 +24,7 @@ from pydantic_core import PydanticCustomError
 
 from epd_flask.control import connectorspecs, policyspecs
 from epd_flask.control import settings as declared
-from epd_flask.control.roles import PREFILL_DECODE, ROLES, SPLIT
+from epd_flask.control.roles import PREFILL, PREFILL_DECODE, ROLES, SPLIT
 
 #: The keys of a roster document; a file with others is some other file.
 TOP_LEVEL_KEYS = ("settings", "instances")
@@ -269,27 +269,32 @@ def check_models(roster: Roster) -> None:
                     f"{model!r} to a decode's models or remove it from this prefill")
 
 
+#: The roles whose instances may consume pushed encoder output: the stage that runs the
+#: request's prompt (docs/behaviour.md#routing).
+EC_CONSUMERS = (PREFILL, PREFILL_DECODE)
+
+
 def check_ec_consumers(roster: Roster) -> None:
-    """Encoders push Mooncake EC embeddings to one replica of the stage that runs the request
-    (docs/behaviour.md#routing). Only a prefill_decode instance runs the whole request, so
-    only E+PD can name that replica safely; a mixed fleet would send some requests where no
-    push was addressed (docs/behaviour.md#roster)."""
+    """Encoders push Mooncake EC embeddings to one replica of the stage that computes the
+    prompt (docs/behaviour.md#routing): a prefill_decode instance (E+PD) or a prefill
+    (E+P+D), whose replica the role's policy picks and the proxy names to both the encoders
+    and the request. A fleet where only some of those instances take pushes would send some
+    requests where no push was addressed (docs/behaviour.md#roster)."""
     for inst in roster.instances:
-        if inst.ec_zmq_addrs is not None and inst.role != "prefill_decode":
+        if inst.ec_zmq_addrs is not None and inst.role not in EC_CONSUMERS:
             raise RosterError(
                 f"instance {inst.url} ({inst.role}): ec_zmq_addrs (Mooncake EC consumer "
-                "addresses) are supported only on prefill_decode instances (E+PD); with "
-                "separate prefill and decode the pushed embeddings cannot be routed safely. "
-                "Remove ec_zmq_addrs or serve with prefill_decode instances"
+                "addresses) belong on the stage that computes the prompt: prefill_decode "
+                "instances (E+PD) or prefill instances (E+P+D). Remove them here")
+    for role in EC_CONSUMERS:
+        consumers = roster.by_role(role)
+        pushing = [i.url for i in consumers if i.ec_zmq_addrs is not None]
+        if pushing and len(pushing) != len(consumers):
+            missing = next(i.url for i in consumers if i.ec_zmq_addrs is None)
+            raise RosterError(
+                f"instance {missing}: every {role} instance needs ec_zmq_addrs once one "
+                f"has them ({pushing[0]} does); encoders must know where each request runs"
             )
-    consumers = roster.by_role("prefill_decode")
-    pushing = [i.url for i in consumers if i.ec_zmq_addrs is not None]
-    if pushing and len(pushing) != len(consumers):
-        missing = next(i.url for i in consumers if i.ec_zmq_addrs is None)
-        raise RosterError(
-            f"instance {missing}: every prefill_decode instance needs ec_zmq_addrs once one "
-            f"has them ({pushing[0]} does); encoders must know where each request runs"
-        )
 
 
 def check_instance(inst: Instance) -> None:

@@ -41,7 +41,7 @@ from epd_flask.fleet.routing import Router
 from epd_flask.serving import fields, legs, relay, usage
 from epd_flask.serving.connectors import Connector, LegRequest, Route
 from epd_flask.serving.context import RequestContext
-from epd_flask.serving.encode_stage import EncodeStage
+from epd_flask.serving.encode_stage import EncodeStage, Staged
 from epd_flask.serving.fanout import Fanout
 from epd_flask.serving.legs import Call
 from epd_flask.upstream.transport import Transport, Upstream, encode_json
@@ -195,10 +195,17 @@ class Pipeline:
             ctx.decided)
         route = self.connector.route(decode, prefill, ctx.attempt_id, ctx.retries)
         staged = self.encode.run(body, ctx, prefill, view.settings, request)
-        body = staged.body
         if self.connector.concurrent:
-            return self._concurrent_legs(route, path, body, ctx)
-        return self._sequential_legs(route, path, body, ctx)
+            return self._concurrent_legs(route, path, staged, ctx)
+        return self._sequential_legs(route, path, staged, ctx)
+
+    def _prefill_leg(self, route: Route, staged: Staged) -> LegRequest:
+        """The connector's prefill call, naming the replica encoders pushed to (its rank
+        header) when the connector names none itself."""
+        leg = self.connector.prefill_leg(staged.body, route)
+        if staged.consumer_headers:
+            leg.headers = {**staged.consumer_headers, **leg.headers}
+        return leg
 
     def _skips_prefill(self, request: RouteRequest) -> bool:
         """Selective disaggregation (docs/behaviour.md#routing-policies): a prompt estimated
@@ -218,10 +225,11 @@ class Pipeline:
 
     # -- prefill, then decode (nixl, none, p2p_nccl) ----------------------------------------
 
-    def _sequential_legs(self, route: Route, path: str, body: dict[str, Any],
+    def _sequential_legs(self, route: Route, path: str, staged: Staged,
                          ctx: RequestContext) -> Reply:
+        body = staged.body
         try:
-            answer = self._prefill(route, path, self.connector.prefill_leg(body, route), ctx)
+            answer = self._prefill(route, path, self._prefill_leg(route, staged), ctx)
         except BackendError as err:
             if not self._recompute_instead(err, route, ctx):
                 raise
@@ -283,7 +291,7 @@ class Pipeline:
 
     # -- prefill and decode at once (mooncake) ----------------------------------------------
 
-    def _concurrent_legs(self, route: Route, path: str, body: dict[str, Any],
+    def _concurrent_legs(self, route: Route, path: str, staged: Staged,
                          ctx: RequestContext) -> Reply:
         """Both legs start now; the request waits for decode's first byte.
 
@@ -293,10 +301,10 @@ class Pipeline:
         relay ends it with the stream.
         """
         prefill: Call[Any] = Call("prefill", self._drain_prefill, route, path,
-                                  self.connector.prefill_leg(body, route), ctx)
+                                  self._prefill_leg(route, staged), ctx)
         opening: Call[Opened] | None = None
         try:
-            leg = self.connector.decode_leg(body, route, None)
+            leg = self.connector.decode_leg(staged.body, route, None)
             opening = Call("decode", self._open_decode, route.decode, path, leg, ctx)
             while not opening.done:
                 legs.wait_any([opening] if prefill.done else [opening, prefill])

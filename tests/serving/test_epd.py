@@ -378,10 +378,27 @@ def test_every_encoder_decision_is_in_the_log_line(sim, proxy, caplog) -> None:
     request's log line, repeats in a row counted."""
     e1, e2 = sim("encode"), sim("encode")
     p, d = sim("prefill"), sim("decode")
-    px = proxy(roster([e1, e2], [p], [d]))
+    px = proxy(roster([p], [d], encoders=[e1, e2]))
     with caplog.at_level(logging.INFO, logger="epd_flask.requests"):
         r = post(px, chat(image(), image(), image()), headers={"X-Request-Id": "three-images"})
     assert r.status_code == 200, r.text
     line = next(m for m in caplog.messages if "request_id=three-images " in m)
     assert "routing=decode:round_robin(rotation),prefill:round_robin(rotation)," in line
     assert "encode:round_robin(rotation)x3" in line
+
+
+def test_a_prefill_consumer_replica_is_named_to_encoders_and_to_the_prefill(sim, proxy) -> None:
+    """E+P+D with Mooncake EC consumers on the prefill: the prefill's policy picks the replica,
+    its address goes to the encoders and its rank to the prefill; decode runs elsewhere and
+    is never pinned."""
+    enc = sim("encode")
+    p, d = sim("prefill", dp_size=2), sim("decode")
+    addrs = ["tcp://127.0.0.1:17100", "tcp://127.0.0.1:17101"]
+    px = proxy(roster([(p, {"dp_size": 2, "ec_zmq_addrs": addrs})], [d], encoders=[enc]))
+    for _ in range(2):
+        assert post(px, chat(image())).status_code == 200
+    pushes = [c["body"]["ec_transfer_params"]["consumer_zmq"] for c in completions(enc)]
+    ranks = [int(c["headers"]["x-data-parallel-rank"]) for c in completions(p)]
+    assert ranks == [0, 1] and pushes == [addrs[0], addrs[1]]
+    assert all("x-data-parallel-rank" not in c["headers"] for c in completions(d))
+    assert p.state.stats()["ec_items_received"] == 2

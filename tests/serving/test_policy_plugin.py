@@ -13,7 +13,7 @@ import requests
 from epd_flask.control.policyspecs import POLICIES
 from epd_flask.control.roster import RosterError, parse
 from epd_flask.fleet.policies import Decision, Load, Placement, Policy, RouteRequest
-from tests.helpers import pd_roster
+from tests.rosters import roster
 
 CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hello"}],
         "max_tokens": 4, "temperature": 0}
@@ -45,7 +45,7 @@ def test_a_policy_declared_in_one_line_routes_and_is_logged(last_listed, sim, pr
                                                             caplog) -> None:
     p = sim("prefill")
     d1, d2 = sim("decode"), sim("decode")
-    px = proxy(pd_roster([p], [d1, d2], routing={"decode": "last_listed"}))
+    px = proxy(roster([p], [d1, d2], routing={"decode": "last_listed"}))
     with caplog.at_level(logging.INFO, logger="epd_flask.requests"):
         for _ in range(3):
             r = requests.post(px.url + "/v1/chat/completions", json=CHAT, timeout=10)

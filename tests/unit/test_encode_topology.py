@@ -28,13 +28,23 @@ def test_e_pd_with_mooncake_consumers_is_accepted() -> None:
     assert roster.by_role("prefill_decode")[0].ec_zmq_addrs == tuple(ADDRS)
 
 
+def test_e_p_d_with_mooncake_consumers_on_the_prefills_is_accepted() -> None:
+    """E+P+D: the prefill computes the prompt, so it is the replica encoders push to."""
+    roster = parse({"instances": [
+        {"role": "encode", "url": "http://e:1"},
+        {"role": "prefill", "url": "http://p:1", "dp_size": 2, "ec_zmq_addrs": ADDRS},
+        {"role": "decode", "url": "http://d:1"},
+    ]})
+    assert roster.by_role("prefill")[0].ec_zmq_addrs == tuple(ADDRS)
+
+
 @pytest.mark.parametrize("instances, words", [
-    # E+P+D: the push would have to name the prefill replica, and decode runs elsewhere
-    ([{"role": "prefill", "url": "http://p:1", "ec_zmq_addrs": ["tcp://p:1"]},
-      {"role": "decode", "url": "http://d:1"}], ["http://p:1 (prefill)", "E+PD"]),
     ([{"role": "prefill", "url": "http://p:1"},
       {"role": "decode", "url": "http://d:1", "ec_zmq_addrs": ["tcp://d:1"]}],
-     ["http://d:1 (decode)", "prefill_decode"]),
+     ["http://d:1 (decode)", "prefill instances (E+P+D)"]),
+    ([{"role": "prefill", "url": "http://p:1", "ec_zmq_addrs": ["tcp://p:1"]},
+      {"role": "prefill", "url": "http://q:1"}, {"role": "decode", "url": "http://d:1"}],
+     ["http://q:1", "every prefill instance"]),
     ([{"role": "encode", "url": "http://e:1", "ec_zmq_addrs": ["tcp://e:1"]}],
      ["http://e:1 (encode)"]),
     # some consumers pushable, some not: a request could land where nothing was addressed
