@@ -317,6 +317,14 @@ _ROSTER_SETTINGS = (
     RosterSetting("session_header", str, "",
                   "a request header naming the session for session affinity (before `user`)",
                   shown="none"),
+    # Some clients and load balancers treat 503 specially; the answer when a stage has no
+    # live instance is the operator's to choose, the same for every stage.
+    RosterSetting("no_backend_status", int, 503,
+                  "the HTTP status when a stage has no live instance", "status", ge=500,
+                  le=599),
+    RosterSetting("no_backend_message", str, "",
+                  "the message then, for every stage; empty: one naming the stage (and model)",
+                  shown="(names the stage)"),
     RosterSetting("disaggregate_min_prompt_tokens", int, 0,
                   "shorter prompts skip prefill and go straight to decode; 0 = never",
                   "tokens", ge=0),

@@ -21,10 +21,11 @@ import gevent.pool
 
 from epd_flask.control.roles import PREFILL
 from epd_flask.control.roster import Instance
-from epd_flask.core.errors import NoBackend, ProxyError
+from epd_flask.core.errors import ProxyError
 from epd_flask.core.periodic import Periodic
 from epd_flask.fleet.live import LiveFleet
 from epd_flask.fleet.policies import Placement
+from epd_flask.fleet.routing import no_backend
 from epd_flask.upstream.transport import Transport
 
 Readiness = tuple[bool, str]
@@ -188,9 +189,8 @@ class BootstrapDiscovery:
         """The prefill role's candidates: every discovered (prefill, rank) pair."""
         pairs = self.placements(model, base)
         if not pairs:
-            serving = f" serving model `{model}`" if model is not None else ""
-            raise NoBackend(f"no live {role}{serving} with a discovered Mooncake engine is "
-                            "available", stage=role)
+            raise no_backend(self.live.settings, role, model,
+                             "instance with a discovered Mooncake engine")
         return pairs
 
     def ready(self) -> Readiness:

@@ -121,8 +121,10 @@ class Catalog:
         if not listed:
             return model  # no decode side at all: routing answers 503 for the stage
         if evicted:
-            raise NoBackend(f"model `{model}` is served only by evicted {role} instances",
-                            stage=role)
+            settings = self.live.settings
+            raise NoBackend(settings.no_backend_message
+                            or f"model `{model}` is served only by evicted {role} instances",
+                            stage=role, status=settings.no_backend_status)
         raise ModelNotFound(model)
 
     def _live_bases(self) -> set[str] | None:

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from epd_flask.control import policyspecs
 from epd_flask.control.roles import PREFILL
-from epd_flask.control.roster import Instance
+from epd_flask.control.roster import Instance, Settings
 from epd_flask.core.errors import NoBackend
 from epd_flask.fleet import policies
 from epd_flask.fleet.kvaware import Tokenizer
@@ -46,9 +46,13 @@ class CandidateSource(Protocol):
         """Whether this source can give candidates yet (e.g. bootstrap discovery ran)."""
 
 
-def no_backend(role: str, model: str | None = None, what: str = "") -> NoBackend:
+def no_backend(settings: Settings, role: str, model: str | None = None,
+               what: str = "instance") -> NoBackend:
+    """A stage with no live candidate: the roster's status and message for that, or a message
+    naming the stage and the model (docs/behaviour.md#routing)."""
     serving = f" serving model `{model}`" if model is not None else ""
-    return NoBackend(f"no live {role} instance{serving}{what} is available", stage=role)
+    message = settings.no_backend_message or f"no live {role} {what}{serving} is available"
+    return NoBackend(message, stage=role, status=settings.no_backend_status)
 
 
 class LiveInstances:
@@ -60,7 +64,7 @@ class LiveInstances:
     def candidates(self, role: str, model: str | None, base: str | None) -> list[Placement]:
         found = self.live.registry.live(role, model, base)
         if not found:
-            raise no_backend(role, model)
+            raise no_backend(self.live.settings, role, model)
         return policies.candidates_of(found)
 
     def ready(self) -> Readiness:

@@ -91,3 +91,28 @@ def test_nothing_is_retried_after_the_first_byte(sim, proxy) -> None:
     runs = decode_runs(d0, d1)
     assert list(runs.values()) == [[200]]  # one decode ran it, and only once
     assert px.services.pipeline.counters["retried_decode"] == 0
+
+
+def test_no_live_instance_answers_the_roster_status_and_message_for_every_stage(sim, proxy):
+    """With ``no_backend_status``/``no_backend_message`` set, a stage with nothing live answers
+    them, whichever stage it is; without, 503 and a message naming the stage."""
+    body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2}
+    d = sim("decode")
+    custom = proxy(roster(["http://127.0.0.1:9"], [d], no_backend_status=502,
+                          no_backend_message="no reachable backend, try later"))
+    plain = proxy(roster(["http://127.0.0.1:9"], [d]))
+    for px in (custom, plain):  # the prefill is evicted: nothing live in that stage
+        for _ in range(3):
+            px.services.registry.record_failure("http://127.0.0.1:9", "down")
+    r = requests.post(custom.url + "/v1/chat/completions", json=body, timeout=10)
+    assert r.status_code == 502 and r.json()["error"]["message"] == \
+        "no reachable backend, try later" and r.json()["error"]["code"] == "no_backend"
+    r = requests.post(plain.url + "/v1/chat/completions", json=body, timeout=10)
+    assert r.status_code == 503
+    assert r.json()["error"]["message"] == \
+        "no live prefill instance serving model `tiny-llama` is available"
+    # the decode side too: a roster with no decode at all
+    nobody = proxy(roster([sim("prefill")], [], no_backend_status=502))
+    r = requests.post(nobody.url + "/v1/chat/completions", json=body, timeout=10)
+    assert r.status_code == 502 and "decode" in r.json()["error"]["message"]
