@@ -324,9 +324,29 @@ def _kv() -> list[VllmServer]:
     return servers
 
 
+def _mooncake_pair() -> list[VllmServer]:
+    """Two Mooncake prefills with prefix caching (each reporting its cached tokens) and one
+    decode: routing among Mooncake's (prefill, rank) pairs. Three servers on two cores."""
+    servers = []
+    extra = {"mooncake_protocol": "tcp"}
+    for name, role, kv_role, core in (("prefill-a", "prefill", "kv_producer", 0),
+                                      ("prefill-b", "prefill", "kv_producer", 1),
+                                      ("decode", "decode", "kv_consumer", 0)):
+        boot = vllm_port()
+        caching = ("--enable-prefix-caching", "--enable-prompt-tokens-details") \
+            if role == "prefill" else ()
+        servers.append(start_vllm(
+            f"mooncake-pair-{name}", role, core,
+            args=("--kv-transfer-config", kv_config("MooncakeConnector", kv_role, extra),
+                  *caching),
+            env={"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(boot)}, bootstrap_port=boot))
+    return servers
+
+
 TOPOLOGIES: dict[str, Callable[[], list[VllmServer]]] = {
     "nixl": _nixl,
     "mooncake": _mooncake,
+    "mooncake-pair": _mooncake_pair,
     "example": _example,
     "encoder": _encoder,
     "models": _models,
