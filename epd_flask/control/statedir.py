@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -37,6 +38,45 @@ HEALTH_PREFIX = "health-"
 HEALTH_SUFFIX = ".json"
 LOCK_TIMEOUT = 5.0
 LOCK_POLL = 0.01
+
+
+#: The lock file descriptors this process has open, and the guard that keeps a fork from
+#: falling between opening one and listing it here. ``flock`` belongs to the open file
+#: description, which ``fork`` shares with the child (``O_CLOEXEC`` only closes it on exec):
+#: a gunicorn worker forked while the master's reload thread held the lock, or was waiting for
+#: it with the file open, held it for the rest of its life, and every later writer waited 5 s
+#: and failed. A child closes its copies before it runs anything else; that releases nothing
+#: (the parent's descriptor still refers to the description), so the parent keeps the lock
+#: exactly as long as it meant to. POSIX record locks (``lockf``) are not inherited, but are
+#: per process: greenlets and threads of one process would not exclude each other, and any
+#: close of the file would drop them all. OFD locks belong to the description like ``flock``.
+_open_locks: set[int] = set()
+_fork_guard = threading.Lock()
+
+
+def _open_lock(path: Path) -> int:
+    with _fork_guard:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        _open_locks.add(fd)
+    return fd
+
+
+def _close_lock(fd: int) -> None:
+    with _fork_guard:
+        _open_locks.discard(fd)
+        os.close(fd)
+
+
+def _close_locks_in_child() -> None:
+    for fd in _open_locks:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _open_locks.clear()
+    _fork_guard.release()
+
+
+os.register_at_fork(before=_fork_guard.acquire, after_in_parent=_fork_guard.release,
+                    after_in_child=_close_locks_in_child)
 
 
 @dataclass(frozen=True)
@@ -66,7 +106,7 @@ class StateDir:
         keep serving its streams while another process holds the lock (``time.sleep`` is
         patched there).
         """
-        fd = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = _open_lock(self.path / LOCK_FILE)
         try:
             deadline = time.monotonic() + timeout
             while True:
@@ -82,7 +122,7 @@ class StateDir:
                     time.sleep(LOCK_POLL)
             yield
         finally:
-            os.close(fd)  # closing releases the lock
+            _close_lock(fd)  # closing releases the lock
 
     # -- the published roster ------------------------------------------------------------
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -248,6 +250,47 @@ def test_the_lock_excludes_other_holders(tmp_path: Path) -> None:
     state = StateDir(tmp_path)
     with state.lock(), pytest.raises(TimeoutError), state.lock(timeout=0.05):
         pass
+
+
+FORK_WHILE_LOCKED = """
+import os, sys, threading, time
+from epd_flask.control.statedir import StateDir
+
+state = StateDir(sys.argv[1])
+held, forked = threading.Event(), threading.Event()
+
+def writer():  # the master's reload thread, publishing
+    with state.lock():
+        held.set()
+        forked.wait(10)
+
+t = threading.Thread(target=writer)
+t.start()
+held.wait(10)
+child = os.fork()  # gunicorn's main thread spawning a worker meanwhile
+if child == 0:
+    time.sleep(3)  # a worker lives on
+    os._exit(0)
+forked.set()
+t.join()
+try:
+    with state.lock(timeout=1):
+        print("free")
+except TimeoutError as exc:
+    print(exc)
+os.kill(child, 9)
+os.waitpid(child, 0)
+"""
+
+
+def test_a_process_forked_while_the_lock_is_held_does_not_keep_it(tmp_path: Path) -> None:
+    """The holder releases the lock when it is done, whatever it forked meanwhile (run in a
+    plain interpreter: this process is patched by gevent)."""
+    done = subprocess.run([sys.executable, "-c", FORK_WHILE_LOCKED, str(tmp_path)],
+                          capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "free"
 
 
 # -- the master's hooks and the worker's boot ---------------------------------------------
