@@ -96,8 +96,7 @@ def test_nothing_is_retried_after_the_first_byte(sim, proxy) -> None:
 def test_no_live_instance_answers_the_roster_status_and_message_for_every_stage(sim, proxy):
     """With ``no_backend_status``/``no_backend_message`` set, a stage with nothing live answers
     them, whichever stage it is; without, 503 and a message naming the stage."""
-    body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}],
-            "max_tokens": 2}
+    body = chat("hi", max_tokens=2)
     d = sim("decode")
     custom = proxy(roster(["http://127.0.0.1:9"], [d], no_backend_status=502,
                           no_backend_message="no reachable backend, try later"))
