@@ -30,6 +30,13 @@ from epd_flask.control.roles import PREFILL, PREFILL_DECODE, ROLES, SPLIT
 TOP_LEVEL_KEYS = ("settings", "instances")
 #: Flow brackets deeper than this are refused before parsing; a roster nests four levels.
 MAX_FLOW_DEPTH = 100
+#: The most model names one instance serves: its roster ``models``, or the cards of its
+#: ``/v1/models`` answer (``fleet/models.py``). Each is a value of the per-model metrics'
+#: ``model`` label and a candidate of every request's model lookup.
+MAX_MODELS = 1024
+#: The longest model name a roster may list: well past a Hugging Face id (96 characters a
+#: side of the slash) or a model's local path; anything longer is pasted text.
+MAX_MODEL_NAME = 512
 _QUOTED = re.compile(r"'[^'\n]*'")
 
 Role = Literal[ROLES]
@@ -76,13 +83,20 @@ class Instance(_Strict):
     def _model_names(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
         if value is None:
             return None
+        if len(value) > MAX_MODELS:
+            raise ValueError(f"lists {len(value)} model names, more than {MAX_MODELS} (the "
+                             "most one instance may serve)")
         names = tuple(v.strip() for v in value)
         if not names or any(not n for n in names):
             raise ValueError("must list at least one model name, and no empty names "
                              "(leave models out to discover them from /v1/models)")
-        dupes = sorted({n for n in names if names.count(n) > 1})
+        longest = max(names, key=len)
+        if len(longest) > MAX_MODEL_NAME:
+            raise ValueError(f"lists a model name of {len(longest)} characters, more than "
+                             f"{MAX_MODEL_NAME}")
+        dupes = [n for n, count in Counter(names).items() if count > 1]
         if dupes:
-            raise ValueError(f"lists {dupes[0]!r} more than once")
+            raise ValueError(f"lists {min(dupes)!r} more than once")
         return names
 
     @field_validator("url", "bootstrap_url")

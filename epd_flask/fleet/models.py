@@ -13,13 +13,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from epd_flask.control.roster import MAX_MODELS as MAX_CARDS
 from epd_flask.core.errors import ClientError, NoBackend, NotFound
 from epd_flask.fleet.live import LiveFleet
 from epd_flask.fleet.registry import Registry
 
 Card = dict[str, Any]
-#: More cards than this from one instance is not a model list we route by.
-MAX_CARDS = 1024
 
 
 class ModelListError(ValueError):

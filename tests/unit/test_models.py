@@ -5,12 +5,24 @@ the model a request is routed by. No network."""
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from epd_flask.control import reload
-from epd_flask.control.roster import Instance, Roster, RosterError, Settings, parse
+from epd_flask.control import reload, settings
+from epd_flask.control.roster import (
+    MAX_MODEL_NAME,
+    MAX_MODELS,
+    Instance,
+    Roster,
+    RosterError,
+    Settings,
+    parse,
+    parse_instance,
+)
 from epd_flask.control.statedir import STATE_DIR_ENV, StateDir
 from epd_flask.core.errors import ClientError, NoBackend
 from epd_flask.fleet.bootstrap import BootstrapDiscovery, Engines
@@ -63,6 +75,60 @@ def test_roster_models_are_names_listed_once() -> None:
     for bad in ([], ["a", "a"], [""], "a-string-is-not-a-list", [1]):
         with pytest.raises(RosterError, match="models"):
             parse({"instances": [{"role": "decode", "url": "http://d:1", "models": bad}]})
+
+
+def test_roster_models_are_capped_in_count_and_length() -> None:
+    def decode(models: list[str]) -> dict[str, Any]:
+        return {"instances": [{"role": "decode", "url": "http://d:1", "models": models}]}
+
+    names = [f"model-{i}" for i in range(MAX_MODELS)]
+    assert len(parse(decode(names)).instances[0].models) == MAX_MODELS
+    with pytest.raises(RosterError, match=f"lists {MAX_MODELS + 1} model names, more than "
+                                          f"{MAX_MODELS} "):
+        parse(decode([*names, "one-more"]))
+    with pytest.raises(RosterError, match="lists 'model-7' more than once"):
+        parse(decode([*names[:-2], "model-9", "model-7"]))
+    assert parse(decode(["x" * MAX_MODEL_NAME])).instances[0].models == ("x" * MAX_MODEL_NAME,)
+    with pytest.raises(RosterError, match=f"a model name of {MAX_MODEL_NAME + 1} characters"):
+        parse(decode(["llama", "x" * (MAX_MODEL_NAME + 1)]))
+    with pytest.raises(RosterError, match=f"{MAX_MODEL_NAME + 1} characters"):
+        parse_instance({"role": "decode", "url": "http://d:1",
+                        "models": ["x" * (MAX_MODEL_NAME + 1)]})
+
+
+HUGE_MODEL_LISTS = """
+import sys
+from epd_flask.control.roster import RosterError, load, parse
+
+names = [f"m{i}" for i in range(200_000)]
+for check in (lambda: load(sys.argv[1]),  # 40,000 names, under EPD_ROSTER_MAX_BYTES
+              lambda: parse({"instances": [{"role": "decode", "url": "http://d:1",
+                                            "models": names}]})):
+    try:
+        check()
+    except RosterError as exc:
+        print(exc)
+"""
+
+
+def test_huge_model_lists_are_refused_by_their_length(tmp_path: Path) -> None:
+    """Checked name by name against each other these take minutes (40,000 names: 15 s, the
+    master's reload and every worker's boot meanwhile; 200,000: hours); refused by their
+    count, they take milliseconds. Run in a bounded interpreter, so a quadratic check fails
+    by its timeout instead of holding the suite."""
+    path = tmp_path / "roster.yaml"
+    path.write_text("instances:\n  - role: decode\n    url: http://d:1\n    models: ["
+                    + ",".join(f"m{i:x}" for i in range(40_000)) + "]\n")
+    assert 200_000 < path.stat().st_size < settings.default("EPD_ROSTER_MAX_BYTES")
+    done = subprocess.run([sys.executable, "-c", HUGE_MODEL_LISTS, str(path)],
+                          capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        f"{path}: instances[0] (http://d:1) field 'models': Value error, lists 40000 model "
+        f"names, more than {MAX_MODELS} (the most one instance may serve)",
+        f"<roster>: instances[0] (http://d:1) field 'models': Value error, lists 200000 model "
+        f"names, more than {MAX_MODELS} (the most one instance may serve)"]
 
 
 def test_a_prefill_model_no_decode_serves_is_a_roster_error_naming_both() -> None:
