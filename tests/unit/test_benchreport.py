@@ -24,7 +24,7 @@ import run
 BLOCKS = {"bench": "run.py", "fleet-light": "fleet.py", "fleet-loaded": "fleet.py",
           "fleetmodel-loaded": "fleetmodel.py", "fleetmodel-light": "fleetmodel.py",
           "hotpath": "hotpath.py", "upstream-call": "upstream_call.py",
-          "relaycost": "relaycost.py", "kvpicture": "kvpicture.py"}
+          "relaycost": "relaycost.py", "kvpicture": "kvpicture.py", "soak": "soak.py"}
 BLOCK = re.compile(r"<!-- bench:([\w-]+):start -->\n.*?<!-- bench:\1:end -->", re.S)
 
 
@@ -209,3 +209,32 @@ def test_each_micro_benchmark_runs_and_replaces_its_block(tmp_path: Path, label:
     old, new = _blocks(before), _blocks(after)
     assert {k for k in old if old[k] != new[k]} == {label}
     assert "Command: `.venv/bin/python " in new[label] and "--report" not in new[label]
+
+
+def test_the_soak_table_puts_checkouts_side_by_side() -> None:
+    """Two soaks in one table, a column each, every line a reader compares."""
+    import argparse
+
+    import soak
+
+    from tests.chaos.harness import Outcome
+
+    def one(label: str, lost: int, errors: list[str]) -> soak.Soak:
+        s = soak.Soak(soak.Target(Path("."), "python", label))
+        s.outcomes = [Outcome("r", "chat", 0.0, result="succeeded") for _ in range(9)] + \
+            [Outcome("x", "chat", 0.0) for _ in range(lost)]
+        s.abandoned, s.reloads, s.admin = 1, 10, [201, 200, 503]
+        s.health_ms, s.rss_mb = [1.0, 2.0, 90.0], [(0, 60.0), (10, 61.0)]
+        s.fds = [(0, 50), (10, 52)]
+        s.log_errors = errors
+        return s
+
+    args = argparse.Namespace(seconds=600.0, rate=29.0, abandon=0.1, hup_every=60.0,
+                              admin_every=30.0, workers=2)
+    text = soak.render([one("commit aaaaaaa", 2, ["[ERROR] lock stayed locked"]),
+                        one("commit bbbbbbb", 0, [])], args)
+    assert "| | commit aaaaaaa | commit bbbbbbb |" in text
+    assert "| lost (cut, reset, no answer) | 2 | 0 |" in text
+    assert "| admin calls / answered 2xx | 3 / 2 | 3 / 2 |" in text
+    assert "| ERROR lines or tracebacks in the log | 1 | 0 |" in text
+    assert "First log errors of commit aaaaaaa" in text and "stayed locked" in text
