@@ -56,10 +56,12 @@ def _authorize(req: Request, svc: Services) -> None:
 
 def _body(req: Request, svc: Services) -> bytes:
     """The request body, decoded, within the size limit (413 before reading an oversized
-    body whose length is declared; chunked bodies are cut off as they pass the limit)."""
+    body whose length is declared, 415 before reading one in an unsupported coding; chunked
+    bodies are cut off as they pass the limit)."""
     limit = svc.config.max_body_bytes
     length = req.content_length
     edge.check_length(length, limit)
+    edge.content_coding(req.headers.get("Content-Encoding"))
     try:
         if length is None:
             raw = edge.read_capped(req.stream.read, limit)

@@ -132,27 +132,36 @@ def check_complete(received: int, content_length: int | None) -> None:
                           "its Content-Length announced", code="invalid_body")
 
 
-def decode_body(raw: bytes, content_encoding: str | None, limit: int) -> bytes:
-    """Undo a request ``Content-Encoding`` (gzip or deflate), capped at ``limit`` bytes out so
-    a small compressed body cannot expand into gigabytes; anything else is a 415."""
+def content_coding(content_encoding: str | None) -> str | None:
+    """The one coding to undo (``gzip`` or ``deflate``), None for none; anything else is a
+    415, known from the header alone, so it is answered before the body is read."""
     codings = [c.strip().lower() for c in (content_encoding or "").split(",") if c.strip()]
     codings = [c for c in codings if c != "identity"]
     if not codings:
-        return raw
+        return None
     if len(codings) > 1 or codings[0] not in SUPPORTED_ENCODINGS:
         raise ClientError(
             f"Content-Encoding {content_encoding!r} is not supported; send the body "
             "uncompressed or with gzip or deflate", status=415, code="unsupported_media_type")
-    wbits = _GZIP_WBITS if codings[0] == "gzip" else _DEFLATE_WBITS
+    return codings[0]
+
+
+def decode_body(raw: bytes, content_encoding: str | None, limit: int) -> bytes:
+    """Undo a request ``Content-Encoding`` (gzip or deflate), capped at ``limit`` bytes out so
+    a small compressed body cannot expand into gigabytes; anything else is a 415."""
+    coding = content_coding(content_encoding)
+    if coding is None:
+        return raw
+    wbits = _GZIP_WBITS if coding == "gzip" else _DEFLATE_WBITS
     try:
         return _inflate(raw, wbits, limit)
     except zlib.error:
-        if codings[0] == "deflate":
+        if coding == "deflate":
             try:
                 return _inflate(raw, -zlib.MAX_WBITS, limit)
             except zlib.error:
                 pass
-        raise ClientError(f"request body is not valid {codings[0]} data",
+        raise ClientError(f"request body is not valid {coding} data",
                           code="invalid_encoding") from None
 
 

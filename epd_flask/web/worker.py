@@ -1,5 +1,7 @@
 """gunicorn's gevent worker with a bound on the time a client takes to send a request's head
-(``EPD_HEADER_TIMEOUT``).
+(``EPD_HEADER_TIMEOUT``), on the time it may take nothing of its answer
+(``EPD_CLIENT_WRITE_TIMEOUT``), room for new clients among idle connections, and a lazy
+``100 Continue``.
 
 The stock worker reads every head under one ``gevent.Timeout(keepalive)``: a client that
 sends its head a byte at a time holds a connection for the whole keep-alive time (75 s), and
@@ -14,6 +16,10 @@ nothing of the app; gunicorn's own gevent worker, which it extends, is imported 
 Each client socket also writes through ``LeanSendSocket``: a stream's every event is one
 ``sendall``, and gevent's asks the kernel for the send buffer's size before every one. The
 same ``sendall`` resets a client that accepts no byte for ``EPD_CLIENT_WRITE_TIMEOUT``.
+
+At its ``worker_connections`` the worker closes its longest-idle kept-alive connection, so
+idle connections cannot lock new clients out (``Connections``); and ``Expect: 100-continue``
+is answered when the application first reads the body, after its checks (``ContinueOnRead``).
 """
 
 from __future__ import annotations
@@ -42,19 +48,67 @@ class _HeadTimeout(BaseException):
     way swallows it)."""
 
 
+class _Evicted(BaseException):
+    """Thrown into the greenlet of an idle kept-alive connection to close it (see
+    ``Connections``)."""
+
+
+class Connections:
+    """The connections of one listener, and those of them idle between two requests (oldest
+    first), against gevent's pool of ``limit``: a full pool stops accepting, so at the limit
+    the longest-idle kept-alive connection is closed and a new client gets its place.
+
+    Idle connections would otherwise fill the pool until ``keepalive`` (75 s) closes them,
+    and a client sending one small request per connection just under that keeps a worker
+    closed to everyone else. A client whose connection is closed this way opens a new one
+    for its next request (HTTP/1.1 allows the server to close an idle connection at any time).
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.open = 0
+        self._idle: dict[HeadDeadline, None] = {}
+        self.evicted = 0
+
+    def opened(self) -> None:
+        self.open += 1
+        self._make_room()
+
+    def closed(self) -> None:
+        self.open -= 1
+
+    def idle(self, deadline: HeadDeadline) -> None:
+        self._idle[deadline] = None
+        self._make_room()
+
+    def busy(self, deadline: HeadDeadline) -> None:
+        self._idle.pop(deadline, None)
+
+    def _make_room(self) -> None:
+        if self.open >= self.limit and self._idle:
+            oldest = next(iter(self._idle))
+            del self._idle[oldest]
+            self.evicted += 1
+            oldest.evict()
+
+
 class HeadDeadline:
     """The context gunicorn reads one request's head in (its ``timeout_ctx``).
 
     Armed with ``head`` seconds at once for a connection's first request; for a later one,
-    ``idle`` seconds until the socket turns readable, then ``head`` seconds from there.
+    ``idle`` seconds until the socket turns readable, then ``head`` seconds from there. While
+    it waits idle, its listener's ``Connections`` may close it to make room.
     """
 
-    def __init__(self, sock: Any, idle: float, head: float, first: bool) -> None:
+    def __init__(self, sock: Any, idle: float, head: float, first: bool,
+                 connections: Connections | None = None) -> None:
         self._sock = sock
         self._idle = idle
         self._head = head
         self._first = first
+        self._connections = connections
         self._exc = _HeadTimeout()
+        self._evicted = _Evicted()
         self._greenlet: Any = None
         self._timer: Any = None
         self._watch: Any = None
@@ -68,7 +122,18 @@ class HeadDeadline:
             self._arm(self._idle)
             self._watch = loop.io(self._sock.fileno(), 1)
             self._watch.start(self._readable)
+            if self._connections is not None:
+                self._connections.idle(self)
         return self
+
+    def evict(self) -> None:
+        """Close this connection if it is still idle when the loop next runs (the greenlet
+        that asks may be this connection's own, entering its idle wait)."""
+        gevent.get_hub().loop.run_callback(self._evict_now)
+
+    def _evict_now(self) -> None:
+        if self._watch is not None:
+            self._greenlet.throw(self._evicted)
 
     def _arm(self, seconds: float) -> None:
         if self._timer is not None:
@@ -86,6 +151,8 @@ class HeadDeadline:
             self._watch.stop()
             self._watch.close()
             self._watch = None
+            if self._connections is not None:
+                self._connections.busy(self)
 
     def __exit__(self, typ: Any, value: Any, tb: Any) -> bool:
         self._stop_watch()
@@ -95,6 +162,10 @@ class HeadDeadline:
         if value is self._exc:
             logger.info("a client took more than %g s to send a request's head; its "
                         "connection was closed", self._head)
+            return True
+        if value is self._evicted:
+            logger.debug("closed an idle kept-alive connection: the worker is at its "
+                         "connection limit")
             return True
         return False
 
@@ -159,6 +230,91 @@ class LeanSendSocket(gevent.socket.socket):
         return ClientWriteTimeout(errno.ECONNRESET, "the client stopped reading its answer")
 
 
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+class ContinueOnRead:
+    """``wsgi.input`` of a request that sent ``Expect: 100-continue``: the ``100 Continue``
+    goes out when the application first reads the body, not before it runs.
+
+    gunicorn sends it as soon as the head is parsed, so a client was told to send a body the
+    proxy then refused without reading (401, 413, 415, 503 ``overloaded``), and sent it
+    (RFC 9110 10.1.1: a server "MAY omit" the 100 when it answers with a final status first).
+    """
+
+    def __init__(self, stream: Any, sock: Any) -> None:
+        self._stream = stream
+        self._sock = sock
+        self.sent = False
+
+    def _go_ahead(self) -> None:
+        if not self.sent:
+            self.sent = True
+            self._sock.sendall(CONTINUE)
+
+    def read(self, *args: Any) -> bytes:
+        self._go_ahead()
+        return self._stream.read(*args)
+
+    def readline(self, *args: Any) -> bytes:
+        self._go_ahead()
+        return self._stream.readline(*args)
+
+    def readlines(self, *args: Any) -> list[bytes]:
+        self._go_ahead()
+        return self._stream.readlines(*args)
+
+    def __iter__(self) -> Any:
+        self._go_ahead()
+        return iter(self._stream)
+
+
+class ExpectingApp:
+    """The worker's application, with ``100 Continue`` sent on its first body read for
+    requests that asked for one (``expecting``: handler greenlet -> its request and socket).
+    One that answers without reading the body closes the connection after its answer: the
+    body may be on its way, or may never come. Every other attribute is the application's,
+    so the configuration's hooks find its services on ``worker.wsgi`` as before."""
+
+    def __init__(self, app: Any, expecting: weakref.WeakKeyDictionary[Any, Any]) -> None:
+        self.app = app
+        self._expecting = expecting
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.app, name)
+
+    def __call__(self, environ: dict[str, Any], start_response: Any) -> Any:
+        pending = self._expecting.pop(gevent.getcurrent(), None)
+        if pending is None:
+            return self.app(environ, start_response)
+        req, sock = pending
+        body = environ["wsgi.input"] = ContinueOnRead(environ["wsgi.input"], sock)
+
+        def start(status: str, headers: Any, exc_info: Any = None) -> Any:
+            if not body.sent:
+                req.force_close()
+            return start_response(status, headers, exc_info)
+
+        return self.app(environ, start)
+
+
+def take_expectation(req: Any) -> bool:
+    """Take ``Expect: 100-continue`` off a parsed request before gunicorn answers it; True if
+    it was there. gunicorn 23 and later mark it on the request (``_expected_100_continue``,
+    the one private attribute this relies on); older ones act on the header itself, so it is
+    dropped from the headers too (nothing upstream sees it: it is not on the forwarding
+    allowlist)."""
+    expected = bool(getattr(req, "_expected_100_continue", False))
+    if expected:
+        req._expected_100_continue = False
+    kept = [(k, v) for k, v in req.headers
+            if not (k == "EXPECT" and v.lower() == "100-continue")]
+    if len(kept) != len(req.headers):
+        expected = expected or req.version >= (1, 1)
+        req.headers = kept
+    return expected
+
+
 def lean_client_socket(sock: Any) -> None:
     """Make an accepted plain gevent socket a ``LeanSendSocket`` in place (the class only
     adds a method, so the object's layout is the same); TLS sockets are left as they are."""
@@ -190,18 +346,40 @@ class GeventWorker(_StockGeventWorker):
         # first: gunicorn's timeout_ctx() is called without either.
         self._connections: weakref.WeakKeyDictionary[Any, list[Any]] = \
             weakref.WeakKeyDictionary()
+        # Per listening socket, as gunicorn gives each its own pool of worker_connections.
+        self._listeners: dict[Any, Connections] = {}
+        # The request (and its socket) each handler greenlet owes a "100 Continue".
+        self._expecting: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = \
+            weakref.WeakKeyDictionary()
 
     def handle(self, listener: Any, client: Any, addr: Any) -> None:
         lean_client_socket(client)
-        self._connections[gevent.getcurrent()] = [client, True]
+        connections = self._listeners.get(listener)
+        if connections is None:
+            connections = self._listeners[listener] = Connections(self.worker_connections)
+        self._connections[gevent.getcurrent()] = [client, True, connections]
+        connections.opened()
         try:
             super().handle(listener, client, addr)
         finally:
+            connections.closed()
             self._connections.pop(gevent.getcurrent(), None)
+
+    def handle_request(self, listener_name: Any, req: Any, sock: Any, addr: Any) -> Any:
+        if take_expectation(req):
+            self._expecting[gevent.getcurrent()] = (req, sock)
+        try:
+            return super().handle_request(listener_name, req, sock, addr)
+        finally:
+            self._expecting.pop(gevent.getcurrent(), None)
+
+    def load_wsgi(self) -> None:
+        super().load_wsgi()
+        self.wsgi = ExpectingApp(self.wsgi, self._expecting)
 
     def timeout_ctx(self) -> HeadDeadline:
         state = self._connections.get(gevent.getcurrent())
-        sock, first = state if state is not None else (None, True)
+        sock, first, connections = state if state is not None else (None, True, None)
         if state is not None:
             state[1] = False
-        return HeadDeadline(sock, self.cfg.keepalive, self.header_timeout, first)
+        return HeadDeadline(sock, self.cfg.keepalive, self.header_timeout, first, connections)

@@ -181,6 +181,8 @@ def test_the_worker_hands_gunicorn_a_lean_client_socket(monkeypatch: pytest.Monk
                         lambda self, listener, client, addr: seen.append(type(client)))
     w = worker.GeventWorker.__new__(worker.GeventWorker)
     w._connections = {}  # type: ignore[assignment]
+    w._listeners = {}  # type: ignore[assignment]
+    w.worker_connections = 10
     a, b = gevent.socket.socketpair()
     w.handle(None, a, ("127.0.0.1", 1))
     assert seen == [worker.LeanSendSocket]
