@@ -10,6 +10,7 @@ the fleet can serve: a prefill alone answers nobody.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -70,9 +71,38 @@ class Catalog:
     def decode_role(self) -> str:
         return self.live.view.decode_role
 
+    #: The last listing, its JSON and what it was built from (``_listed``): rebuilt only when
+    #: the registry's version or the decode role changed. Class-level defaults, so the cache
+    #: needs nothing from the constructor.
+    _listed: tuple[Registry, int, str] | None = None
+    _listing: dict[str, Any] | None = None
+    _listing_json: bytes | None = None
+
     def listing(self) -> dict[str, Any] | None:
         """``/v1/models``: each model served by a live decode-side instance once, adapters with
-        their parent; None while no such instance's models are known yet."""
+        their parent; None while no such instance's models are known yet.
+
+        Cached until the registry changes (every change of an instance's liveness, models or
+        membership bumps its version): the union of thousands of cards costs milliseconds per
+        call, and a client polling ``/v1/models`` would pay them on every worker. The value
+        is shared: callers must not change it."""
+        registry = self.registry
+        listed = (registry, registry.version, self.decode_role())
+        cached = self._listed
+        if cached is None or cached[0] is not registry or cached[1:] != listed[1:]:
+            self._listing = self._union()
+            self._listing_json = None
+            self._listed = listed
+        return self._listing
+
+    def listing_json(self) -> bytes | None:
+        """``listing`` encoded once per change."""
+        listing = self.listing()
+        if listing is not None and self._listing_json is None:
+            self._listing_json = json.dumps(listing).encode()
+        return self._listing_json
+
+    def _union(self) -> dict[str, Any] | None:
         known = False
         out: dict[str, Card] = {}
         for state in self.registry.states():

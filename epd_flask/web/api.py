@@ -199,12 +199,11 @@ def models() -> Response:
     ctx = _context(request, svc)
     with _accounted(ctx):
         _authorize(request, svc)
-        listing = svc.pipeline.catalog.listing()
-        if listing is None:
+        body = svc.pipeline.catalog.listing_json()
+        if body is None:
             reply = svc.pipeline.passthrough(
                 "GET", request.path, request.query_string.decode("latin-1"), None, None, ctx)
             return _respond(reply)
-    body = json.dumps(listing).encode()
     ctx.bytes_out = len(body)
     ctx.finish(status=200)
     return Response(body, status=200, content_type="application/json",

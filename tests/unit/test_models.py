@@ -4,6 +4,7 @@ the model a request is routed by. No network."""
 
 from __future__ import annotations
 
+import json
 import logging
 import subprocess
 import sys
@@ -271,6 +272,32 @@ def test_a_missing_model_is_the_only_base_model_or_400() -> None:
         catalog(two).resolve(None)
     assert info.value.status == 400 and info.value.code == "model_required"
     assert "`alpha`, `beta`" in info.value.message
+
+
+def test_listing_is_built_once_until_the_registry_changes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The union (and its JSON) is made once per registry change, not per call, and every
+    change that alters it shows at the next call."""
+    registry = fleet(d1=answer(card("alpha")), d2=answer(card("beta")))
+    cat = catalog(registry)
+    walks: list[int] = []
+    states = registry.states
+    monkeypatch.setattr(registry, "states", lambda: walks.append(1) or states())
+    first = cat.listing()
+    for _ in range(5):
+        assert cat.listing() is first
+    assert len(walks) == 1
+    body = cat.listing_json()
+    assert cat.listing_json() is body and json.loads(body or b"") == first
+    assert len(walks) == 1
+    registry.record_models(D2.url, answer(card("beta"), card("gamma")))
+    assert [c["id"] for c in cat.listing()["data"]] == ["alpha", "beta", "gamma"]
+    assert json.loads(cat.listing_json() or b"") == cat.listing()
+    for _ in range(3):
+        registry.record_failure(D1.url, "down")
+    assert [c["id"] for c in cat.listing()["data"]] == ["beta", "gamma"]
+    registry.record_success(D1.url)
+    assert [c["id"] for c in cat.listing()["data"]] == ["alpha", "beta", "gamma"]
 
 
 def test_listing_is_the_union_of_live_decode_side_instances() -> None:
