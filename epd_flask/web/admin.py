@@ -1,5 +1,6 @@
 """The admin API (docs/behaviour.md#roster): ``GET``/``POST /instances`` and
-``DELETE /instances?url=``.
+``DELETE /instances?url=``; ``POST /instances/add`` is ``POST /instances`` under the name
+other EPD proxies' launchers call, as ``X-Admin-API-Key`` is ``X-API-Key``.
 
 Thin views: check ``ADMIN_API_KEY``, parse, apply the SSRF policy for instance URLs, hand
 the change to this worker's ``RosterSync``, which persists it to the roster file and makes every
@@ -45,6 +46,8 @@ from epd_flask.web.services import Services, services
 bp = Blueprint("admin", __name__)
 
 KEY_HEADER = "X-API-Key"
+#: The same key under the header launchers written for other EPD proxies send.
+ALIAS_KEY_HEADER = "X-Admin-API-Key"
 BEARER = "bearer "
 
 
@@ -65,13 +68,13 @@ def authorize(key: str | None) -> None:
     if not key:
         raise Forbidden("the admin API is disabled: set ADMIN_API_KEY to enable it",
                         code="admin_api_disabled")
-    given = request.headers.get(KEY_HEADER, "")
+    given = request.headers.get(KEY_HEADER, "") or request.headers.get(ALIAS_KEY_HEADER, "")
     auth = request.headers.get("Authorization", "")
     if not given and auth[:len(BEARER)].lower() == BEARER:
         given = auth[len(BEARER):].strip()
     if not given:
-        raise Forbidden(f"the admin API needs the admin key in {KEY_HEADER} or as a Bearer "
-                        "token", code="missing_admin_key")
+        raise Forbidden(f"the admin API needs the admin key in {KEY_HEADER} (or "
+                        f"{ALIAS_KEY_HEADER}) or as a Bearer token", code="missing_admin_key")
     if not hmac.compare_digest(given.encode(), key.encode()):
         raise Forbidden("the admin key is not valid", code="invalid_admin_key")
 
@@ -86,6 +89,7 @@ def list_instances() -> Response:
 
 
 @bp.post("/instances")
+@bp.post("/instances/add")
 def register() -> Response:
     svc = _authorized()
     fleet = svc.roster_sync

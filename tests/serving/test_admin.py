@@ -65,6 +65,37 @@ def test_keys_are_checked(fleet) -> None:
         assert d1.url in [row["url"] for row in r.json()["data"]]
 
 
+def test_the_other_proxies_spelling_is_the_same_api(fleet) -> None:
+    """``POST /instances/add`` and ``X-Admin-API-Key``, as other EPD proxies' launchers send
+    them: the same validation, authorization and answers as ``POST /instances``."""
+    _, d1, d2, path, start = fleet
+    px = start()
+    alias = {"X-Admin-API-Key": KEY}
+
+    def add(doc: Any, headers: dict[str, str] = alias) -> requests.Response:
+        return requests.post(px.url + "/instances/add", json=doc, headers=headers, timeout=5)
+
+    assert add({"role": "decode", "url": d2.url}, {}).json()["error"]["code"] == \
+        "missing_admin_key"
+    wrong = add({"role": "decode", "url": d2.url}, {"x-admin-api-key": KEY + "x"})
+    assert wrong.status_code == 403 and wrong.json()["error"]["code"] == "invalid_admin_key"
+    assert d2.url not in path.read_text()
+    r = add({"role": "decode", "url": d2.url})
+    assert r.status_code == 201 and r.json()["status"] == "registered"
+    assert d2.url in path.read_text()
+    again = add({"role": "decode", "url": d2.url}, AUTH)
+    assert again.status_code == 200 and again.json()["status"] == "unchanged"
+    assert post(px, {"role": "decode", "url": d2.url}, alias).json()["status"] == "unchanged"
+    assert add({"role": "prefill", "url": d1.url}).json()["error"]["code"] == "role_conflict"
+    assert add({"role": "decoder", "url": d2.url}).status_code == 422
+    listed = requests.get(px.url + "/instances", headers=alias, timeout=5)
+    assert listed.status_code == 200
+    assert d2.url in [row["url"] for row in listed.json()["data"]]
+    gone = requests.delete(px.url + "/instances", params={"url": d2.url}, headers=alias,
+                           timeout=5)
+    assert gone.status_code == 200 and gone.json()["status"] == "removed"
+
+
 def test_registration_applies_at_once_and_persists(fleet) -> None:
     _, _, d2, path, start = fleet
     px = start()
