@@ -68,7 +68,7 @@ def build_services(config: ProxyConfig, roster: Roster, generation: int = 0, *,
     connector = connector_class(settings.connector)()
     discovery = BootstrapDiscovery(live, transport) if connector.bootstrap else None
     router = Router(live, sources={PREFILL: discovery} if discovery is not None else None,
-                    pictures=kv_events.picture,
+                    pictures=kv_events.picture, no_pictures=kv_events.missing,
                     tokenizer=Tokenizer(transport, lambda: live.settings.kv_tokenize_timeout,
                                         backend_auth),
                     seed=seed)

@@ -92,7 +92,7 @@ class KVAware(Prefix):
             if picture is not None:
                 pictures[placed.url] = picture
         if not pictures:
-            return self._fallback(prefix, "noevents")
+            return self._fallback(prefix, self.env.no_pictures([c.url for c in candidates]))
         tokens = request.tokens
         if not tokens:
             return self._fallback(prefix, "notokens")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,14 +97,57 @@ def sequence_number(frame: bytes) -> int:
 
 def decode_batch(payload: bytes) -> list[Event]:
     """The events of one message's payload frame; ``MalformedEvents`` if it is not one."""
+    return list(open_batch(payload)[1])
+
+
+def open_batch(payload: bytes) -> tuple[int, Iterator[Event]]:
+    """How many events one message's payload frame says it carries, read before any is
+    decoded, and the events one at a time: a reader can refuse a message by its count and
+    spread a large one's work over many turns. ``MalformedEvents`` from either when the
+    payload is not a ``[timestamp, [events...], ...]`` batch; no array in it may claim more
+    items than the payload has bytes (a length bomb is refused before anything is built)."""
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False,
+                                max_buffer_size=max(len(payload), 1))
     try:
-        batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+        unpacker.feed(payload)
+        if unpacker.read_array_header() < 2:
+            raise MalformedEvents("not a [timestamp, [events...]] batch")
+        unpacker.skip()
+        count = unpacker.read_array_header()
+    except MalformedEvents:
+        raise
     except Exception as exc:  # msgpack raises several unrelated types for garbage
-        raise MalformedEvents(f"not msgpack: {exc}") from None
-    if not isinstance(batch, (list, tuple)) or len(batch) < 2 \
-            or not isinstance(batch[1], (list, tuple)):
-        raise MalformedEvents("not a [timestamp, [events...]] batch")
-    return [decode_event(raw) for raw in batch[1]]
+        raise MalformedEvents(f"not a [timestamp, [events...]] batch: {exc}") from None
+    return count, _events(unpacker, count)
+
+
+def _events(unpacker: msgpack.Unpacker, count: int) -> Iterator[Event]:
+    for _ in range(count):
+        try:
+            raw = unpacker.unpack()
+        except Exception as exc:  # msgpack raises several unrelated types for garbage
+            raise MalformedEvents(f"not msgpack: {exc}") from None
+        yield decode_event(raw)
+
+
+def pieces(event: Event, blocks: int) -> Iterator[Event]:
+    """``event`` cut into events of at most ``blocks`` blocks that, applied in order, do what
+    it does: each stored piece's parent is the previous piece's last block."""
+    if isinstance(event, Cleared) or len(event.block_hashes) <= blocks:
+        yield event
+        return
+    hashes = event.block_hashes
+    if isinstance(event, Removed):
+        for start in range(0, len(hashes), blocks):
+            yield Removed(hashes[start:start + blocks])
+        return
+    size = event.block_size
+    parent = event.parent
+    for start in range(0, len(hashes), blocks):
+        part = hashes[start:start + blocks]
+        yield Stored(part, parent, event.token_ids[start * size:(start + len(part)) * size],
+                     size, event.salt)
+        parent = part[-1]
 
 
 def _fields(raw: Any, names: tuple[str, ...]) -> tuple[str, dict[str, Any]]:

@@ -116,6 +116,8 @@ class PolicyEnv:
     rng: random.Random
     new_cursor: Callable[[], Iterator[int]]
     pictures: Callable[[str], CachePicture | None] = lambda url: None
+    #: Why none of these instances has a picture (``noevents``, ``stale``): the fallback's why.
+    no_pictures: Callable[[Sequence[str]], str] = lambda urls: "noevents"
 
 
 class Policy:

@@ -78,6 +78,7 @@ class Router:
 
     def __init__(self, live: LiveFleet, sources: Mapping[str, CandidateSource] | None = None,
                  pictures: Callable[[str], CachePicture | None] | None = None,
+                 no_pictures: Callable[[Sequence[str]], str] | None = None,
                  tokenizer: Tokenizer | None = None, seed: int | None = None) -> None:
         self.live = live
         self._default = LiveInstances(live)
@@ -87,7 +88,8 @@ class Router:
         self._env = PolicyEnv(lambda: live.settings,
                               random.Random(seed) if seed is not None else random.Random(),
                               lambda: policies.new_cursor(self._seed),
-                              pictures or (lambda url: None))
+                              pictures or (lambda url: None),
+                              no_pictures or (lambda urls: "noevents"))
         self._policies: dict[str, Policy] = {}
 
     def source(self, role: str) -> CandidateSource:

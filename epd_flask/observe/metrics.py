@@ -96,7 +96,8 @@ UPSTREAM_ERRORS = Counter(
 KV_EVENTS = Counter(
     "epd_kv_events_total", "KV-cache events heard from an instance's kv_events endpoint (per "
     "worker), by kind: stored, removed, cleared; malformed: messages skipped; gap: a jump in "
-    "the sequence (messages lost).", ["instance", "kind"], registry=_REGISTRY)
+    "the sequence (messages lost); dropped: messages let go unread (the reader fell behind, "
+    "or one was too large).", ["instance", "kind"], registry=_REGISTRY)
 PROBE_FAILURES = Counter("epd_probe_failures_total", "Failed /health probes (per worker).",
                          ["role", "instance"], registry=_REGISTRY)
 EVICTIONS = Counter("epd_evictions_total", "Instances evicted (each worker decides for itself).",

@@ -10,8 +10,12 @@ milliseconds, a stalled one took tens of seconds.
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import gevent
@@ -19,7 +23,8 @@ import gevent.pool
 import pytest
 import requests
 
-from tests.helpers import eventually, scrape, total
+from tests.e2e.conftest import ROOT
+from tests.helpers import eventually, free_port, scrape, stop_group, total
 from tests.unit.test_kvaware import Publisher
 from tests.unit.test_kvcache import BLOCK, batch, stored
 
@@ -96,3 +101,92 @@ def test_ten_long_prompts_of_repeated_blocks_match_without_stalling_the_worker(
     assert total(scrape(gw.url), "epd_routing_decisions_total", policy="kv_aware",
                  outcome="kvhit") == before + 10
     assert took and max(took) < STALLED, took
+
+
+class Flood:
+    """``tests/e2e/kvflood.py`` in its own process: the publisher of one prefill's events."""
+
+    def __init__(self, stores: int) -> None:
+        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.e2e.kvflood", "--endpoint", self.endpoint,
+             "--stores", str(stores)], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            text=True, start_new_session=True)
+        assert self.proc.stdout is not None and self.proc.stdout.readline() == "ready\n"
+
+    def flood(self, seconds: float) -> gevent.Greenlet:
+        """Start flooding; the greenlet ends with the number of messages sent."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(f"flood {seconds}\n")
+        self.proc.stdin.flush()
+        out = self.proc.stdout  # gevent's: reading waits cooperatively
+        return gevent.spawn(lambda: int(out.readline().split()[1]))
+
+    def close(self) -> None:
+        stop_group(self.proc)
+
+
+@pytest.fixture
+def floods() -> Iterator[Callable[[int], Flood]]:
+    started: list[Flood] = []
+
+    def start(stores: int) -> Flood:
+        started.append(Flood(stores))
+        return started[-1]
+
+    yield start
+    for f in started:
+        f.close()
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+@pytest.mark.parametrize("stores", [512, 10_000], ids=["512-stores", "10000-stores"])
+def test_a_flooding_publisher_never_stalls_the_worker_nor_grows_it(
+        procs, floods, stores: int) -> None:
+    """A publisher sending messages of ``stores`` one-block stores as fast as it can, for
+    8 s. The worker answers every /health at once throughout, its memory stays bounded, and
+    the picture it could not keep up with is not routed by. 512 stores a message are read
+    at a share of a core, the rest dropped and counted (the picture is stale meanwhile); a
+    message of 10,000 (~2 MB) is over the frame bound, and ZMQ drops the connection."""
+    flood = floods(stores)
+    p = procs["sim"]("prefill")
+    d = procs["sim"]("decode")
+    gw = procs["gunicorn"]({"settings": {"routing": {"prefill": "kv_aware"}},
+                            "instances": [{"role": "prefill", "url": p.url,
+                                           "kv_events": flood.endpoint},
+                                          {"role": "decode", "url": d.url}]})
+    assert eventually(lambda: heard(gw.url, "stored") > 0, 20)
+    (worker,) = gw.workers()
+    rss_before = rss_mb(worker)
+    flooding = flood.flood(8)
+    took: list[float] = []
+    rss: list[float] = []
+    asked = 0
+    while not flooding.ready():
+        started = time.monotonic()
+        assert requests.get(gw.url + "/health", timeout=60).status_code == 200
+        took.append(time.monotonic() - started)
+        rss.append(rss_mb(worker))
+        if len(took) % 10 == 5:
+            r = requests.post(gw.url + "/v1/completions", timeout=60, json={
+                "model": "tiny-llama", "prompt": list(range(64)), "max_tokens": 1})
+            assert r.status_code == 200, r.text
+            asked += 1
+        gevent.sleep(0.05)
+    sent = flooding.get()
+    assert gw.workers() == {worker}  # never killed for a missed heartbeat
+    assert len(took) >= 20 and max(took) < STALLED, (max(took), len(took))
+    assert max(rss) < rss_before + 200, (rss_before, max(rss))
+    routed = re.findall(r"prefill:kv_aware\((\w+),", gw.log.read_text(errors="replace"))
+    assert sent > 100 and asked and routed
+    if stores == 512:
+        assert heard(gw.url, "dropped") > 0
+        assert "stale" in routed, routed
+    else:
+        assert "stale" not in routed and "noevents" in routed, routed

@@ -3,20 +3,24 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
+import os
+import resource
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import gevent
+import msgpack
 import pytest
 import zmq
 import zmq.green as zmq_green
 
 from epd_flask.control.roster import Instance, Roster, RosterError, Settings, parse
 from epd_flask.core import events
-from epd_flask.fleet import policies
+from epd_flask.fleet import kvevents, policies
 from epd_flask.fleet.kvaware import Tokenizer, tokenize_request
 from epd_flask.fleet.kvcache import prompt_keys
 from epd_flask.fleet.kvevents import KVEvents
@@ -85,7 +89,7 @@ def kv_router(instances: list[Instance], timeout: float = 0.5) -> tuple[KVEvents
     live = LiveFleet(Roster(settings=Settings(routing={"prefill": "kv_aware"}),
                             instances=tuple(instances)))
     kv = KVEvents(live.registry)
-    return kv, Router(live, pictures=kv.picture,
+    return kv, Router(live, pictures=kv.picture, no_pictures=kv.missing,
                       tokenizer=Tokenizer(Transport(), lambda: timeout), seed=0)
 
 
@@ -382,5 +386,156 @@ def test_a_store_of_ids_no_block_can_hold_is_malformed_and_the_reader_goes_on(
         assert eventually(lambda: heard.counts.get((url, "malformed"), 0) == 1)
         pub.store(PROMPT)
         assert eventually(lambda: matched(kv, url, PROMPT) == 6)
+    finally:
+        kv.stop()
+
+
+@pytest.fixture
+def high_fds() -> Iterator[None]:
+    """~1,100 descriptors held open first, so every socket the test opens has a number past
+    1,023, where ``select()`` refuses to look (FD_SETSIZE): a busy worker's case."""
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[0] < 2048:
+        pytest.skip("needs a descriptor limit of at least 2048 (ulimit -n)")
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    yield
+    for fd in held:
+        os.close(fd)
+
+
+def test_readers_work_at_descriptor_numbers_past_select_s_reach(
+        publishers: list[Publisher], heard: Heard, high_fds: None) -> None:
+    registry, kv, router = fleet(publishers, 3)
+    kv.start()
+    try:
+        assert eventually(lambda: connected(kv, 3))
+        for inst, pub in zip(registry.instances(), publishers, strict=True):
+            publish_until_ready(kv, pub, inst.url, PROMPT[:3 * BLOCK])
+        _chosen, why = route(router, {"model": "m", "prompt": PROMPT})
+        assert why == ["prefill:kv_aware(blocks=3/6,load=0)"]
+        assert all(r.failures == 0 for r in kv.readers.values())
+    finally:
+        kv.stop()
+
+
+def test_many_dead_endpoints_are_retried_with_backoff(high_fds: None) -> None:
+    """ZMQ retries a refused connection every 100 ms by default: 1,000 dead endpoints took half
+    a core. Retries back off (0.2 s doubling to 10 s): a handful per endpoint in 4 s."""
+    dead = []
+    for _ in range(100):
+        pub = Publisher()
+        dead.append(pub.endpoint)
+        pub.close()
+    registry = Registry([Instance(role="prefill", url=f"http://10.0.{i // 250}.{i % 250}:1",
+                                  kv_events=endpoint) for i, endpoint in enumerate(dead)])
+    kv = KVEvents(registry)
+    kv.sync()
+    try:
+        assert eventually(lambda: all(r.retries >= 1 for r in kv.readers.values()))
+        gevent.sleep(4.0)
+        retries = [r.retries for r in kv.readers.values()]
+        assert len(retries) == 100 and all(r.failures == 0 for r in kv.readers.values())
+    finally:
+        kv.stop()
+    # 0.2 + 0.4 + 0.8 + 1.6 + 3.2 s: at most 6 in the ~5 s since the first; 100 ms: ~50.
+    assert max(retries) <= 8, retries
+
+
+# pyzmq's green socket whose construction failed (no socket left) warns from its __del__.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_reader_that_fails_starts_again_with_backoff(
+        publishers: list[Publisher], caplog: pytest.LogCaptureFixture) -> None:
+    """A worker out of ZMQ sockets (each reader needs three): the second reader fails to
+    start, says so, routes nothing by its picture, and starts again (after 1 s, then 2 s,
+    ...) until it can: here once the first instance leaves the roster."""
+    context = zmq_green.Context()
+    context.set(zmq.MAX_SOCKETS, 3)
+    pubs = [Publisher(), Publisher()]
+    publishers += pubs
+    first, second = (Instance(role="prefill", url=f"http://127.0.0.1:{free_port()}",
+                              kv_events=p.endpoint) for p in pubs)
+    registry = Registry([first, second])
+    kv = KVEvents(registry, context=lambda: context)
+    try:
+        with caplog.at_level(logging.WARNING, logger="epd_flask.fleet.kvevents"):
+            kv.start()
+            assert eventually(lambda: second.url in kv.readers
+                              and kv.readers[second.url].failures >= 2, 10)
+        assert kv.readers[first.url].connected and kv.picture(second.url) is None
+        failed = [r for r in caplog.records if "failed (ZMQError" in r.getMessage()]
+        assert failed and "starts again in 1 s" in failed[0].getMessage()
+        assert "starts again in 2 s" in failed[1].getMessage()
+        registry.replace([second])
+        assert eventually(lambda: connected(kv, 1) and second.url in kv.readers, 10)
+        publish_until_ready(kv, pubs[1], second.url, PROMPT)
+    finally:
+        kv.stop()
+        context.destroy(linger=0)
+        caplog.clear()  # its records' tracebacks hold the half-built sockets
+        gc.collect()  # which go now, under this test's filter
+
+
+def test_a_message_claiming_more_events_than_any_step_has_is_dropped_unread(
+        publishers: list[Publisher], heard: Heard) -> None:
+    """Its count is read before any event is decoded: too many, and the whole message goes,
+    counted as dropped; the picture that missed it is stale, and kv_aware says so."""
+    registry, kv, router = fleet(publishers, 1)
+    url = registry.instances()[0].url
+    kv.sync()
+    try:
+        assert eventually(lambda: connected(kv, 1))
+        publish_until_ready(kv, publishers[0], url, PROMPT)
+        bomb = msgpack.packb([1.0, [0] * (kvevents.MAX_MESSAGE_EVENTS + 1)])
+        publishers[0].send(bomb)
+        assert eventually(lambda: heard.counts.get((url, "dropped"), 0) == 1)
+        assert heard.counts.get((url, "malformed"), 0) == 0  # none of them was looked at
+        assert kv.picture(url) is None
+        _chosen, why = route(router, {"model": "m", "prompt": PROMPT})
+        assert why[0].startswith("prefill:kv_aware(stale,")
+    finally:
+        kv.stop()
+
+
+def _frames(seq: int, payload: bytes) -> list[bytes]:
+    return [b"kv", seq.to_bytes(8, "big", signed=True), payload]
+
+
+NESTED = b"\x91" * 100_000 + b"\xc0"  # [[[[...nil...]]]], 100,000 deep
+HOSTILE: dict[str, tuple[list[bytes], str]] = {
+    "one frame": ([b"kv"], "malformed"),
+    "four frames": ([b"kv", b"\0" * 8, batch(), b"x"], "malformed"),
+    "a thousand frames": ([b"kv"] * 1000, "malformed"),
+    "a short sequence": ([b"kv", b"\0" * 7, batch()], "malformed"),
+    "not msgpack": (_frames(0, b"\xc1" * 64), "malformed"),
+    "nested 100,000 deep": (_frames(0, NESTED), "malformed"),
+    "events nested 100,000 deep": (_frames(0, b"\x92\xcb" + b"\0" * 8 + NESTED), "malformed"),
+    "an array claiming 2^32 items": (_frames(0, b"\xdd\xff\xff\xff\xff"), "malformed"),
+    "an event claiming 2^32 bytes": (_frames(0, b"\x92\x00\x91\xc6\xff\xff\xff\xff"),
+                                     "malformed"),
+    "a map claiming 2^32 keys": (_frames(0, b"\x92\x00\x91\xdf\xff\xff\xff\xff"), "malformed"),
+    "a store of a billion blocks": (_frames(0, batch(stored([1], None, [1] * BLOCK,
+                                                            size=10 ** 9))), "malformed"),
+    "a sequence far ahead": (_frames(2 ** 62, batch()), "gap"),
+    "a negative sequence": (_frames(-5, batch()), "gap"),
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_hostile_messages_are_counted_and_the_reader_goes_on(
+        publishers: list[Publisher], heard: Heard, name: str) -> None:
+    frames, kind = HOSTILE[name]
+    registry, kv, _router = fleet(publishers, 1)
+    url = registry.instances()[0].url
+    pub = publishers[0]
+    kv.sync()
+    try:
+        assert eventually(lambda: connected(kv, 1))
+        publish_until_ready(kv, pub, url, PROMPT[:2 * BLOCK])
+        reader = kv.readers[url]
+        pub.sock.send_multipart(frames)
+        assert eventually(lambda: heard.counts.get((url, kind), 0) >= 1)
+        pub.engine.hashes.clear()
+        pub.store(PROMPT)
+        assert eventually(lambda: matched(kv, url, PROMPT) == 6)
+        assert kv.readers[url] is reader and reader.failures == 0
     finally:
         kv.stop()
