@@ -239,9 +239,11 @@ class Pipeline:
             cached_tokens = usage.prefill_cached_tokens(answer)
         except ValueError as exc:  # the connector's and usage's checks of prefill's answer
             url = route.prefill.instance.url
+            code = getattr(exc, "code", "bad_prefill_answer")
             self.counters["prefill_failures"] += 1
+            events.upstream_error.fire("prefill", url, code)
             raise BackendError(f"prefill instance {instance_label(url)} answered an unusable "
-                               f"reply: {exc}", code="bad_prefill_answer", stage="prefill",
+                               f"reply: {exc}", code=code, stage="prefill",
                                instance=url) from None
         opened = self._open_decode(route.decode, path, leg, ctx)
         return self._reply(opened, ctx, cached_tokens=cached_tokens)

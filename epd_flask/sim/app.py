@@ -229,6 +229,11 @@ class SimApp:
             state.count_model(req.model)
         except errors.SimError as exc:
             return self._error(start_response, exc)
+        except roles.HandleWithoutBlocks as exc:
+            logger.warning("decode got kv_transfer_params without remote_block_ids %s; the "
+                           "engine dies", exc)
+            state.engine_dead = True
+            return self._error(start_response, errors.engine_dead())
         except roles.IncompleteHandle as exc:
             # Real vLLM: "Got invalid KVTransferParams", the request hangs, and when the client
             # gives up the EngineCore dies on a KeyError (/health 503, process gone).

@@ -31,7 +31,8 @@ DEFAULT_KEEPALIVE_TIMEOUT = 5.0
 LIVE_KNOBS = frozenset(
     {"ttft", "token_delay", "output_tokens", "max_model_len", "ec_metadata", "model",
      "record_health", "kv_timeout", "prefill_tokens_per_s", "token_delay_per_stream",
-     "kv_cache_blocks", "block_size", "kv_events_config"}
+     "kv_cache_blocks", "block_size", "kv_events_config", "kv_params_extra",
+     "kv_params_omit"}
 )
 #: The prefix cache's default size in blocks: thousands of distinct prompts.
 DEFAULT_KV_CACHE_BLOCKS = 65536
@@ -90,6 +91,10 @@ class SimConfig:
     # vLLM's --kv-events-config (JSON text or object); None, or events disabled: no events.
     # Kept completed with vLLM's defaults (kvevents.parse_config).
     kv_events_config: dict[str, Any] | None = None
+    # A NIXL prefill's handles as another vLLM release might answer them: keys added (set to
+    # these values) and keys left out.
+    kv_params_extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    kv_params_omit: list[str] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -161,6 +166,14 @@ def coerce_knob(name: str, value: Any) -> Any:
         if not isinstance(value, str) or not value:
             raise ValueError("model must be a non-empty string")
         return value
+    if name == "kv_params_extra":
+        if not isinstance(value, dict):
+            raise ValueError("kv_params_extra must be a JSON object")
+        return dict(value)
+    if name == "kv_params_omit":
+        if not isinstance(value, list) or not all(isinstance(k, str) for k in value):
+            raise ValueError("kv_params_omit must be a list of key names")
+        return list(value)
     if name == "record_health":
         if not isinstance(value, bool):
             raise ValueError("record_health must be a boolean")

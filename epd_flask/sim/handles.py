@@ -17,16 +17,16 @@ from typing import Any
 
 BLOCK_TOKENS = 16
 SIGNATURE_HEX = 8
-#: The keys NixlConnector reads without a default; one missing kills real vLLM's EngineCore.
-NIXL_REQUIRED_KEYS = (
-    "remote_engine_id", "remote_request_id", "remote_block_ids", "remote_host", "remote_port",
-)
+#: The keys NixlConnector requires present (``in params``) once ``remote_block_ids`` is
+#: non-empty; one missing hangs the request, and its EngineCore dies when the client leaves.
+NIXL_REQUIRED_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
 MOONCAKE_REQUIRED_KEYS = ("remote_engine_id", "remote_bootstrap_addr", "transfer_id")
 
 ABSENT = "absent"
 VALID = "valid"
 INVALID = "invalid"
 INCOMPLETE = "incomplete"
+NO_BLOCKS = "no_blocks"
 MOONCAKE = "mooncake"
 
 _SIGNED_ID = re.compile(rf"^(?P<base>.+)-(?P<sig>[0-9a-f]{{{SIGNATURE_HEX}}})$")
@@ -104,15 +104,24 @@ def _is_uuid(value: Any) -> bool:
 
 
 def classify(secret: str, params: dict[str, Any] | None, own_num_tokens: int) -> str:
-    """What a decode makes of the ``kv_transfer_params`` it got (one of the module constants)."""
-    if not params or params.get("do_remote_prefill") is not True:
+    """What a decode makes of the ``kv_transfer_params`` it got (one of the module constants),
+    checked as vLLM 0.32's NixlConnector checks them: ``do_remote_prefill`` truthy, then a
+    non-empty ``remote_block_ids`` (else ``NO_BLOCKS``: its scheduler asserts and dies), then
+    the four other keys present, whatever their values (else ``INCOMPLETE``: it hangs). A
+    handle that passes but names nothing this fleet issued (a null host, another prompt, a
+    forged id) fails its transfer, and vLLM computes the prompt itself (``INVALID``)."""
+    if not params or not params.get("do_remote_prefill"):
         return ABSENT
     if "remote_bootstrap_addr" in params or "transfer_id" in params:
         if any(params.get(k) is None for k in MOONCAKE_REQUIRED_KEYS):
             return INCOMPLETE
         return MOONCAKE if _is_uuid(params["remote_engine_id"]) else INVALID
-    if any(params.get(k) is None for k in NIXL_REQUIRED_KEYS):
+    if not params.get("remote_block_ids"):
+        return NO_BLOCKS
+    if any(k not in params for k in NIXL_REQUIRED_KEYS):
         return INCOMPLETE
+    if any(params[k] is None for k in NIXL_REQUIRED_KEYS):
+        return INVALID
     match = _SIGNED_ID.match(str(params["remote_request_id"]))
     num_tokens = params.get("remote_num_tokens")
     # vLLM reads min(remote_num_tokens, its prompt): more than the prompt is fine (a prefill

@@ -17,6 +17,11 @@ class IncompleteHandle(Exception):
     """A decode got ``do_remote_prefill`` without the keys it needs: real vLLM hangs, then dies."""
 
 
+class HandleWithoutBlocks(Exception):
+    """A decode got ``do_remote_prefill`` with no ``remote_block_ids``: real vLLM's scheduler
+    asserts there is nothing to load, which is false, and its EngineCore dies at once."""
+
+
 @dataclass
 class Answer:
     request_id: str
@@ -119,6 +124,10 @@ def _prefill(req: Request, state: SimState, rank: int, request_id: str) -> Answe
         side_channel_port=cfg.side_channel_port,
         computed_tokens=computed,
     )
+    params = answer.kv_transfer_params
+    for key in cfg.kv_params_omit:
+        params.pop(key, None)
+    params.update(cfg.kv_params_extra)
     return answer
 
 
@@ -131,6 +140,8 @@ def _decode(req: Request, state: SimState, request_id: str) -> Answer:
         state.count(f"kv_handles_{verdict}")
     if verdict == handles.INCOMPLETE:
         raise IncompleteHandle(str(sorted(req.kv_params or {})))
+    if verdict == handles.NO_BLOCKS:
+        raise HandleWithoutBlocks(str(sorted(req.kv_params or {})))
     if verdict not in (handles.VALID, handles.MOONCAKE):
         return _computing(req, state, request_id)
     answer = _generate(req, *_token_budget(req, state), request_id)

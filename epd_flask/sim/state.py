@@ -37,6 +37,7 @@ COUNTERS = (
     "kv_handles_invalid",
     "kv_handles_absent",
     "kv_handles_incomplete",
+    "kv_handles_no_blocks",
     "kv_handles_mooncake",
     "kv_handles_issued",
     "kv_transfers_timed_out",

@@ -7,12 +7,12 @@ import logging
 import re
 import socket
 import time
+from typing import Any
 
 import requests
-from gevent.pywsgi import WSGIServer
 
 from tests.bodies import chat, completion
-from tests.helpers import RawStream, eventually
+from tests.helpers import RawStream, eventually, scrape, total
 from tests.rosters import roster
 
 CHAT = chat(max_tokens=8, temperature=0)
@@ -237,30 +237,45 @@ def test_prefill_rejecting_the_request_is_relayed_and_decode_not_called(sim, pro
     assert completions_seen(d) == 0
 
 
-def test_incomplete_prefill_handles_are_not_forwarded(sim, proxy) -> None:
-    """Real vLLM hangs (and later dies) on handles without remote_request_id; the simulated
-    decode does the same, so a 200 here proves the proxy withheld them."""
-    d = sim("decode")
+def decode_handles_received(d) -> list[Any]:
+    return [r["body"].get("kv_transfer_params") for r in d.state.requests()
+            if r["path"] == "/v1/completions"]
 
-    def partial_prefill(environ, start_response):
-        environ["wsgi.input"].read()
-        doc = {"id": "cmpl-x", "object": "text_completion", "choices": [],
-               "kv_transfer_params": {"do_remote_prefill": True, "remote_engine_id": "e",
-                                      "remote_block_ids": [[1]], "remote_host": "h",
-                                      "remote_port": 1}}
-        start_response("200 OK", [("Content-Type", "application/json")])
-        return [json.dumps(doc).encode()]
 
-    fake = WSGIServer(("127.0.0.1", 0), partial_prefill, log=None)
-    fake.start()
-    try:
-        px = proxy(roster([f"http://127.0.0.1:{fake.server_port}"], [d]))
+def test_decode_gets_every_handle_prefill_answered_new_keys_included(sim, proxy) -> None:
+    """A later vLLM may add keys to its handles: decode gets them verbatim, and pulls."""
+    p, d = sim("prefill"), sim("decode")
+    future = {"remote_dp_rank": 0, "kv_layout": {"blocks": [[1, 2]], "dtype": "fp8"}}
+    p.state.configure(kv_params_extra=future)
+    px = proxy(roster([p], [d]))
+    r = requests.post(px.url + "/v1/completions", json=COMPLETION, timeout=10)
+    assert r.status_code == 200, r.text
+    (got,) = decode_handles_received(d)
+    assert {k: got[k] for k in future} == future
+    assert got["do_remote_prefill"] is True and got["remote_request_id"]
+    assert d.state.stats()["kv_handles_valid"] == 1
+
+
+def test_handles_without_a_key_decode_needs_fail_the_attempt_loudly(sim, proxy,
+                                                                   caplog) -> None:
+    """Real vLLM hangs a request whose handles lack remote_request_id (and its engine dies
+    when the client leaves); dropping them would recompute in silence. The attempt fails with
+    a 502 naming the key, an error in the log, and a count; decode never sees the request."""
+    p, d = sim("prefill"), sim("decode")
+    p.state.configure(kv_params_omit=["remote_request_id"])
+    px = proxy(roster([p], [d]))
+    before = total(scrape(px.url), "epd_upstream_errors_total", stage="prefill",
+                   kind="incomplete_kv_handles")
+    with caplog.at_level(logging.ERROR, logger="epd_flask.serving.connectors.nixl"):
         r = requests.post(px.url + "/v1/completions", json=COMPLETION, timeout=10)
-        assert r.status_code == 200
-        assert d.state.stats()["kv_handles_absent"] == 1
-        assert d.state.stats()["kv_handles_incomplete"] == 0
-    finally:
-        fake.stop()
+    assert r.status_code == 502, r.text
+    err = r.json()["error"]
+    assert err["code"] == "incomplete_kv_handles" and "remote_request_id" in err["message"]
+    assert any("remote_request_id" in m and "the attempt fails" in m
+               for m in caplog.messages), caplog.messages
+    assert total(scrape(px.url), "epd_upstream_errors_total", stage="prefill",
+                 kind="incomplete_kv_handles") == before + 1
+    assert decode_handles_received(d) == [] and not d.state.stats()["engine_dead"]
 
 
 def test_first_token_arrives_before_decode_finishes(sim, proxy) -> None:

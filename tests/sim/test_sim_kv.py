@@ -191,6 +191,43 @@ def test_incomplete_handle_hangs_then_kills_the_engine(start_sim):
     assert requests.get(d.url + "/health", timeout=5).status_code == 200
 
 
+def test_a_handle_without_block_ids_kills_the_engine_at_once(start_sim):
+    """vLLM 0.32's NixlConnector: ``do_remote_prefill`` (any truthy value) with no
+    ``remote_block_ids`` makes its scheduler assert that nothing is to be loaded, which is
+    false for a prompt, and the EngineCore dies with the request."""
+    d = start_sim(role="decode")
+    p = start_sim(role="prefill")
+    params = {**_prefill(p.url)["kv_transfer_params"], "do_remote_prefill": 1,
+              "remote_block_ids": []}
+    dead = _decode(d.url, params)
+    assert dead.status_code == 500 and d.state.stats()["kv_handles_no_blocks"] == 1
+    assert requests.get(d.url + "/health", timeout=5).status_code == 503
+
+
+def test_decode_checks_the_keys_present_not_their_values(start_sim):
+    """vLLM checks the four keys with ``in``: a null one passes the check, and the transfer
+    it names fails (vLLM then computes the prompt itself); an absent one hangs."""
+    p, d = start_sim(role="prefill"), start_sim(role="decode")
+    params = {**_prefill(p.url)["kv_transfer_params"], "remote_host": None}
+    assert _decode(d.url, params).status_code == 200
+    assert d.state.stats()["kv_handles_invalid"] == 1
+
+
+def test_a_prefill_can_answer_handles_of_another_vllm_release(start_sim):
+    """Live knobs: ``kv_params_extra`` adds keys (one a later vLLM may send), and
+    ``kv_params_omit`` leaves keys out (one an earlier or broken one may not send)."""
+    p, d = start_sim(role="prefill"), start_sim(role="decode")
+    p.state.configure(kv_params_extra={"remote_dp_rank": 0, "future": {"x": [1]}},
+                      kv_params_omit=["tp_size"])
+    params = _prefill(p.url)["kv_transfer_params"]
+    assert params["future"] == {"x": [1]} and params["remote_dp_rank"] == 0
+    assert "tp_size" not in params
+    assert _decode(d.url, params).status_code == 200
+    assert d.state.stats()["kv_handles_valid"] == 1
+    with pytest.raises(ValueError, match="kv_params_omit"):
+        p.state.configure(kv_params_omit="tp_size")
+
+
 def test_mooncake_prefill_and_decode(start_sim):
     p = start_sim(role="prefill", bootstrap_port=0)
     d = start_sim(role="decode")

@@ -11,7 +11,7 @@ import pytest
 
 from epd_flask.control.roster import Instance
 from epd_flask.serving.connectors import CONNECTORS, Placement, Route, get_connector, prime_body
-from epd_flask.serving.connectors.nixl import complete_handles
+from epd_flask.serving.connectors.nixl import BadHandles, IncompleteHandles, complete_handles
 from tests.bodies import chat_stream
 
 CHAT = chat_stream("hi", stream_options={"include_usage": True}, max_tokens=64, temperature=0)
@@ -102,25 +102,52 @@ def test_nixl_decode_gets_complete_handles_verbatim() -> None:
     assert "kv_transfer_params" not in CHAT
 
 
+def test_nixl_decode_gets_keys_it_does_not_know_and_the_proxy_s_own_fields() -> None:
+    conn, route = route_of("nixl")
+    answered = {**HANDLES, "do_remote_prefill": "yes", "do_remote_decode": True,
+                "next_release_key": {"a": [1, None]}}
+    out = conn.decode_leg(CHAT, route, {"kv_transfer_params": answered}).body
+    assert out["kv_transfer_params"] == {**answered, "do_remote_prefill": True,
+                                         "do_remote_decode": False}
+
+
 @pytest.mark.parametrize("missing", ["remote_request_id", "remote_engine_id", "remote_block_ids",
                                      "remote_host", "remote_port"])
-def test_nixl_decode_drops_incomplete_handles(missing: str, caplog: pytest.LogCaptureFixture,
-                                              ) -> None:
+@pytest.mark.parametrize("how", ["absent", "null", "empty"])
+def test_nixl_handles_without_a_key_decode_needs_fail_loudly(
+        missing: str, how: str, caplog: pytest.LogCaptureFixture) -> None:
     partial = {k: v for k, v in HANDLES.items() if k != missing}
+    if how != "absent":
+        partial[missing] = None if how == "null" else [] if missing == "remote_block_ids" \
+            else ""
+    if how == "empty" and missing == "remote_port":
+        partial[missing] = None  # a port has no empty value of its type
     assert not complete_handles(partial)
     conn = get_connector("nixl")
     route = conn.route(DECODE, Placement(PREFILL), "r-1", 0)
-    with caplog.at_level(logging.WARNING, logger="epd_flask"):
-        out = conn.decode_leg(CHAT, route, {"kv_transfer_params": partial}).body
-    assert "kv_transfer_params" not in out
-    assert missing in caplog.text and "r-1" in caplog.text
+    with caplog.at_level(logging.ERROR, logger="epd_flask"), \
+            pytest.raises(IncompleteHandles, match=missing) as raised:
+        conn.decode_leg(CHAT, route, {"kv_transfer_params": partial})
+    assert raised.value.code == "incomplete_kv_handles"
+    assert missing in caplog.text and "r-1" in caplog.text and PREFILL.url in caplog.text
 
 
-@pytest.mark.parametrize("reply", [None, {}, {"kv_transfer_params": None},
-                                   {"kv_transfer_params": "junk"}])
+@pytest.mark.parametrize("reply", [None, {}, {"kv_transfer_params": None}])
 def test_nixl_decode_without_handles_recomputes(reply: dict | None) -> None:
     conn, route = route_of("nixl")
     assert "kv_transfer_params" not in conn.decode_leg(CHAT, route, reply).body
+
+
+@pytest.mark.parametrize("params, why", [
+    ("junk", "not an object"), ([HANDLES], "not an object"),
+    ({**HANDLES, "padding": "x" * (1024 * 1024)}, r"bytes \(more than"),
+])
+def test_nixl_handles_that_are_no_object_or_too_large_are_a_bad_answer(params: object,
+                                                                      why: str) -> None:
+    conn, route = route_of("nixl")
+    with pytest.raises(BadHandles, match=why) as raised:
+        conn.decode_leg(CHAT, route, {"kv_transfer_params": params})
+    assert raised.value.code == "bad_prefill_answer"
 
 
 def test_client_supplied_kv_params_never_reach_decode_unchecked() -> None:

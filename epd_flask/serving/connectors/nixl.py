@@ -1,9 +1,13 @@
 """NIXL: prefill exports its KV and answers handles; decode pulls with them
 (docs/behaviour.md#connector-nixl).
 
-Partial handles are worse than none: real vLLM given ``kv_transfer_params`` without
-``remote_request_id`` hangs the request, and its engine dies when the client leaves. So the
-handles are checked, and decode gets nothing (it recomputes) unless they are complete.
+Decode gets every handle prefill answered, keys this proxy does not know included (a later
+vLLM may add some), with the proxy's own fields set. Partial handles are worse than none:
+real vLLM given ``kv_transfer_params`` without ``remote_request_id`` hangs the request, and
+its engine dies when the client leaves (without block ids it dies at once). So a handle
+missing a key today's vLLM needs is neither passed on nor quietly dropped (decode would
+compute the prompt again, and nobody would know the KV transfer is broken): the attempt
+fails with ``incomplete_kv_handles``, logged and counted.
 """
 
 from __future__ import annotations
@@ -11,10 +15,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from epd_flask.core import jsoncodec
 from epd_flask.serving.connectors.base import Body, LegRequest, Route, SplitConnector, prime_body
 
 logger = logging.getLogger(__name__)
 
+#: What vLLM's NixlConnector needs to pull, present and not empty: without block ids its
+#: scheduler asserts and the engine dies; without any of the others the request waits for
+#: KV for ever.
 REQUIRED_HANDLE_KEYS = (
     "remote_engine_id",
     "remote_request_id",
@@ -38,18 +46,52 @@ _COUNT_HANDLES = ("tp_size", "remote_num_tokens", "remote_prefill_cached_tokens"
 MAX_PORT = 65535
 
 
+#: The proxy's own fields of decode's handles: it asks decode to pull what prefill computed.
+DECODE_FIELDS: dict[str, Any] = {"do_remote_prefill": True, "do_remote_decode": False}
+#: The largest handles passed to decode, as JSON (block ids of a ~2M-token prompt).
+MAX_HANDLE_BYTES = 1024 * 1024
+
+
 class BadHandles(ValueError):
     """Prefill answered handles of the wrong shape: a broken or hostile prefill, not a
     missing export, so the request fails instead of decode recomputing."""
 
+    code = "bad_prefill_answer"
+
+
+class IncompleteHandles(BadHandles):
+    """Prefill answered handles without a key today's vLLM needs to pull: passed on, they
+    would hang decode; dropped, decode would recompute and hide a broken transfer."""
+
+    code = "incomplete_kv_handles"
+
 
 def complete_handles(params: Any) -> bool:
     """True when decode can safely pull with these handles."""
-    return (
-        isinstance(params, dict)
-        and params.get("do_remote_prefill") is True
-        and all(params.get(k) not in (None, "") for k in REQUIRED_HANDLE_KEYS)
-    )
+    return isinstance(params, dict) and not _missing(params)
+
+
+def _missing(params: dict[str, Any]) -> list[str]:
+    return [k for k in REQUIRED_HANDLE_KEYS if params.get(k) in (None, "", [])]
+
+
+def decode_handles(params: Any) -> dict[str, Any]:
+    """Decode's ``kv_transfer_params`` from the ones prefill answered: all of them, with
+    ``DECODE_FIELDS`` set. ``BadHandles`` unless they are a JSON object of at most
+    ``MAX_HANDLE_BYTES`` whose known handles have the types decode reads;
+    ``IncompleteHandles`` when a key decode needs is missing or empty."""
+    if not isinstance(params, dict):
+        raise BadHandles(f"kv_transfer_params is a JSON {type(params).__name__}, not an object")
+    size = len(jsoncodec.dumps(params))
+    if size > MAX_HANDLE_BYTES:
+        raise BadHandles(f"kv_transfer_params of {size} bytes (more than {MAX_HANDLE_BYTES})")
+    check_handle_types(params)
+    missing = _missing(params)
+    if missing:
+        raise IncompleteHandles(
+            f"kv_transfer_params without {', '.join(missing)}, which decode needs to pull the "
+            "KV (vLLM would wait for it for ever)")
+    return {**params, **DECODE_FIELDS}
 
 
 def _count(value: Any) -> bool:
@@ -88,22 +130,20 @@ class NixlConnector(SplitConnector):
         return LegRequest(out)
 
     def decode_leg(self, body: Body, route: Route, prefill_reply: Body | None) -> LegRequest:
-        request_id = route.request_id
         out = dict(body)
         out.pop("kv_transfer_params", None)
         params = prefill_reply.get("kv_transfer_params") if prefill_reply else None
-        if isinstance(params, dict):
-            check_handle_types(params)
-        if complete_handles(params):
-            out["kv_transfer_params"] = params
-        elif params is not None:
-            missing = [k for k in REQUIRED_HANDLE_KEYS if not isinstance(params, dict)
-                       or params.get(k) in (None, "")]
-            logger.warning(
-                "request %s: prefill returned incomplete kv_transfer_params (missing %s); "
-                "decode will recompute the prompt", request_id, ", ".join(missing) or "flags",
-            )
-        else:
-            logger.info("request %s: prefill returned no kv_transfer_params; decode recomputes",
-                        request_id)
+        if params is None:
+            # No export (a prefill without a connector, or prefill skipped): nothing to pull.
+            logger.info("request %s: prefill returned no kv_transfer_params; decode "
+                        "recomputes", route.request_id)
+            return LegRequest(out)
+        try:
+            out["kv_transfer_params"] = decode_handles(params)
+        except IncompleteHandles as exc:
+            logger.error("request %s: prefill %s answered %s (it sent %s); the attempt fails "
+                         "instead of hanging decode or recomputing in silence",
+                         route.request_id, route.prefill.instance.url, exc,
+                         ", ".join(sorted(params)) or "no keys")
+            raise
         return LegRequest(out)
