@@ -73,6 +73,7 @@ def merge(settings: Settings, offers: Mapping[str, Sequence[Instance]]
     chosen: dict[str, Instance] = {}
     sources: dict[str, str] = {}
     problems: list[str] = []
+    roles: set[str] = set()  # of the chosen: a set, so a fleet of thousands merges in one pass
     for source in sorted(offers, key=_rank):
         for inst in offers[source]:
             held = sources.get(inst.url)
@@ -83,7 +84,7 @@ def merge(settings: Settings, offers: Mapping[str, Sequence[Instance]]
                 continue
             if source != FILE:
                 problem = connector_problem(settings, inst)
-                if problem is None and mixes_roles(inst.role, (i.role for i in chosen.values())):
+                if problem is None and mixes_roles(inst.role, roles):
                     problem = (f"instance {inst.url} ({inst.role}) would mix combined and split "
                                "serving in one fleet")
                 if problem is not None:
@@ -91,6 +92,7 @@ def merge(settings: Settings, offers: Mapping[str, Sequence[Instance]]
                     continue
             chosen[inst.url] = inst
             sources[inst.url] = source
+            roles.add(inst.role)
     return tuple(chosen.values()), sources, problems
 
 
