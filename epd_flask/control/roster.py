@@ -2,8 +2,9 @@
 
 Schema, loading and validation of ``etc/roster.yaml``. Imported by the gunicorn master, so it
 stays light (pydantic and PyYAML only, nothing that opens sockets or loads ``ssl``) and imports
-nothing of ours but the declarations of settings and connectors (settings.py,
-connectorspecs.py). ``epd-flask-check-roster FILE`` validates a file without starting anything.
+nothing of ours but the declarations of settings, connectors and membership sources
+(settings.py, connectorspecs.py, sourcespecs.py). ``epd-flask-check-roster FILE`` validates
+a file without starting anything.
 """
 
 from __future__ import annotations
@@ -22,12 +23,14 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 from pydantic_core import PydanticCustomError
 
-from epd_flask.control import connectorspecs, policyspecs
+from epd_flask.control import connectorspecs, policyspecs, sourcespecs
 from epd_flask.control import settings as declared
 from epd_flask.control.roles import PREFILL, PREFILL_DECODE, ROLES, SPLIT
 
 #: The keys of a roster document; a file with others is some other file.
-TOP_LEVEL_KEYS = ("settings", "instances")
+TOP_LEVEL_KEYS = ("settings", "discovery", "instances")
+#: The address an ``instance:`` template of a DNS entry is checked with (TEST-NET-1).
+SAMPLE_HOST = "192.0.2.1"
 #: Flow brackets deeper than this are refused before parsing; a roster nests four levels.
 MAX_FLOW_DEPTH = 100
 #: The most model names one instance serves: its roster ``models``, or the cards of its
@@ -124,6 +127,21 @@ class Instance(_Strict):
         return self.model_dump(mode="json", exclude_defaults=True) | {
             "role": self.role, "url": self.url}
 
+    def addresses(self) -> list[tuple[str, str, bool]]:
+        """(field, value, is a URL) of every address this record makes someone connect to:
+        the URLs are requests the proxy will make, the rest connections the proxy's workers
+        (``kv_events``) or the instances make on the proxy's word. The URL policy checks
+        them all (control/urlpolicy.check_addresses)."""
+        found = [("url", self.url, True)]
+        if self.bootstrap_url is not None:
+            found.append(("bootstrap_url", self.bootstrap_url, True))
+        if self.kv_zmq_addr is not None:
+            found.append(("kv_zmq_addr", self.kv_zmq_addr, False))
+        if self.kv_events is not None:
+            found.append(("kv_events", self.kv_events, False))
+        found += [(f"ec_zmq_addrs[{n}]", a, False) for n, a in enumerate(self.ec_zmq_addrs or ())]
+        return found
+
 
 def normalize_url(value: str) -> str:
     """An instance's identity: its base URL without a trailing slash (docs/behaviour.md#roster)."""
@@ -212,9 +230,25 @@ Settings = create_model(
 )
 
 
+#: Where else the fleet's members come from (docs/behaviour.md#discovery): one optional
+#: field per source declared in ``sourcespecs.py``, of the type declared there.
+Discovery = create_model(
+    "Discovery", __base__=_Strict, __module__=__name__,
+    __doc__="Membership sources besides the file's own instances.",
+    **{name: (spec.options | None, None) for name, spec in sourcespecs.SOURCES.items()},
+)
+
+
 class Roster(_Strict):
     settings: Settings = Settings()
+    discovery: Discovery = Discovery()
     instances: tuple[Instance, ...] = ()
+
+    @property
+    def sources(self) -> dict[str, Any]:
+        """The membership sources this roster configures, by name, with their options."""
+        return {name: value for name in sourcespecs.SOURCES
+                if (value := getattr(self.discovery, name)) not in (None, ())}
 
     def by_role(self, role: str) -> list[Instance]:
         return [i for i in self.instances if i.role == role]
@@ -247,6 +281,25 @@ def check_rules(roster: Roster) -> None:
         check_instance(inst)
     check_ec_consumers(roster)
     check_models(roster)
+    check_discovery(roster)
+
+
+def check_discovery(roster: Roster) -> None:
+    """Every instance a DNS entry can find must pass the checks a registration does
+    (docs/behaviour.md#discovery): its ``instance:`` template is checked here, with
+    ``{host}`` standing for a sample address, so a bad template stops a reload instead of
+    dropping every instance the name finds."""
+    for n, entry in enumerate(roster.discovery.dns or ()):
+        where = f"discovery.dns[{n}] ({entry.name})"
+        record = {**sourcespecs.render(entry.instance, SAMPLE_HOST), "role": entry.role,
+                  "url": f"{entry.scheme}://{SAMPLE_HOST}:{entry.port or 8000}"}
+        try:
+            problem = connector_problem(roster.settings, parse_instance(record, "instance"))
+        except RosterError as exc:
+            problem = str(exc).removeprefix("instance: ")
+        if problem is not None:
+            message = problem.replace(f"instance {record['url']}: ", "")
+            raise RosterError(f"{where}: instance template: {message}")
 
 
 def connector_problem(settings: Settings, inst: Instance) -> str | None:
@@ -331,11 +384,11 @@ def parse(doc: Any, source: str = "<roster>", text: str | None = None) -> Roster
         doc = {}
     if not isinstance(doc, dict):
         raise RosterError(f"{source}: the top level must be a mapping with 'instances' and "
-                          f"optional 'settings', got {type(doc).__name__}")
+                          f"optional 'settings' and 'discovery', got {type(doc).__name__}")
     foreign = [k for k in doc if k not in TOP_LEVEL_KEYS]
     if foreign:
         raise RosterError(f"{source}: not a roster: {_foreign_keys(foreign, text)}; a roster "
-                          f"has only {' and '.join(repr(k) for k in TOP_LEVEL_KEYS)}")
+                          f"has only {', '.join(repr(k) for k in TOP_LEVEL_KEYS)}")
     instances = doc.get("instances")
     limit = declared.read("EPD_ROSTER_MAX_INSTANCES")
     if isinstance(instances, list) and len(instances) > limit:
@@ -490,6 +543,10 @@ def _describe(error: Any, doc: dict[str, Any]) -> str:
             where += f" field {field!r}"
     elif loc and loc[0] == "settings" and len(loc) > 1:
         where = f"settings field {'.'.join(str(p) for p in loc[1:])!r}"
+    elif loc and loc[0] == "discovery" and len(loc) > 1:
+        where = "discovery." + ".".join(str(p) for p in loc[1:])
+        if len(loc) > 2 and loc[1] == "dns" and isinstance(loc[2], int):
+            where = f"discovery.dns[{loc[2]}]" + "".join(f".{p}" for p in loc[3:])
     return f"{where}: {_message(error)}"
 
 

@@ -4,8 +4,8 @@ instance is given for its KV and EC transfers (``kv_zmq_addr``, ``ec_zmq_addrs``
 connections the instances make on the proxy's word, and are held to the same rules.
 
 Pure apart from name resolution and the is-this-address-mine test (both injectable); imports
-nothing of ours. The admin API calls ``check_instance_url`` and ``check_instance_address``
-before it accepts a registration.
+nothing of ours. The admin API calls ``check_addresses`` before it accepts a registration,
+and the membership sources before they offer a record (docs/behaviour.md#discovery).
 """
 
 from __future__ import annotations
@@ -39,6 +39,11 @@ TRANSFER_SCHEMES = ("tcp",)
 
 class URLPolicyError(ValueError):
     """The URL may not be registered; the message says why, for the admin client."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        #: The record's field that holds the refused address, when one is known.
+        self.field = field
 
 
 @dataclass(frozen=True)
@@ -111,6 +116,18 @@ def check_instance_url(url: str, policy: URLPolicy, resolver: Resolver = resolve
     for addr in _addresses(host, port, resolver):
         _check_address(host, addr, policy.networks)
         _check_not_ours(host, addr, port, policy.own, local)
+
+
+def check_addresses(addresses: Iterable[tuple[str, str, bool]], policy: URLPolicy,
+                    resolver: Resolver = resolve, local: IsLocal = is_local) -> None:
+    """Raise ``URLPolicyError`` (naming the field) unless every (field, value, is a URL) of a
+    record (``Instance.addresses``) may be used under ``policy``."""
+    for field, value, is_url in addresses:
+        check = check_instance_url if is_url else check_instance_address
+        try:
+            check(value, policy, resolver, local)
+        except URLPolicyError as exc:
+            raise URLPolicyError(f"{field}: {exc}", field) from None
 
 
 def check_instance_address(value: str, policy: URLPolicy, resolver: Resolver = resolve,

@@ -87,6 +87,8 @@ refused: EventHook[[str]] = EventHook()
 kv_events: EventHook[[str, str, int]] = EventHook()
 #: A stopping worker ended this many requests that outlived its grace period.
 ended_by_shutdown: EventHook[[int]] = EventHook()
+#: A membership source's reachability (docs/behaviour.md#discovery): (source, up).
+discovery: EventHook[[str, bool]] = EventHook()
 
 
 

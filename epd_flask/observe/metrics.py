@@ -133,6 +133,10 @@ MODEL_FIRST_BYTE_SECONDS = Histogram(
     "first byte to the client (time to first token), by model.", ["model"],
     buckets=LATENCY_BUCKETS, registry=_REGISTRY)
 
+DISCOVERY_UP = Gauge("epd_discovery_up", "1 while a membership source (etcd, dns) answers, "
+                     "0 while the last membership it gave is served without it (the lowest "
+                     "of the live workers).", ["source"], multiprocess_mode="livemin",
+                     registry=_REGISTRY)
 CLIENT_IN_FLIGHT = Gauge(
     "epd_requests_in_flight", "Client requests being served right now (streams included).",
     multiprocess_mode="livesum", registry=_REGISTRY)
@@ -246,6 +250,7 @@ class MetricsObserver:
         events.load.add_listener(self.load)
         events.refused.add_listener(self.refused)
         events.ended_by_shutdown.add_listener(self.ended_by_shutdown)
+        events.discovery.add_listener(self.discovery)
 
     def upstream_opened(self, role: str, url: str) -> None:
         self._child(IN_FLIGHT, role, self.instance_label(url)).inc()
@@ -307,6 +312,9 @@ class MetricsObserver:
         if limit != self._limit:  # the cap changes with a reload, not per request
             IN_FLIGHT_LIMIT.set(limit)
             self._limit = limit
+
+    def discovery(self, source: str, up: bool) -> None:
+        DISCOVERY_UP.labels(source).set(1 if up else 0)
 
     def refused(self, reason: str) -> None:
         REFUSED.labels(reason).inc()

@@ -12,8 +12,9 @@ import html
 import itertools
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from epd_flask import __version__
 from epd_flask.control.roles import ROLES
@@ -113,6 +114,18 @@ class ModelRow:
 
 
 @dataclass
+class SourceRow:
+    """A membership source (docs/behaviour.md#discovery): whether it answers every worker
+    (``epd_discovery_up``, the lowest of the live workers) and what it last told this one."""
+
+    name: str
+    up: bool
+    detail: str
+    since: float
+    members: int
+
+
+@dataclass
 class Status:
     window: float | None  # seconds the numbers cover; None: since the process started
     ready: str
@@ -125,6 +138,7 @@ class Status:
     models: list[ModelRow] = field(default_factory=list)
     generated: float = field(default_factory=time.time)
     pid: int = field(default_factory=os.getpid)
+    sources: list[SourceRow] = field(default_factory=list)
 
 
 def _latencies(now: Snapshot, then: Snapshot | None) -> list[Latency]:
@@ -189,9 +203,11 @@ def charts(samples: Sequence[Snapshot], now: Snapshot, fleet: Sequence[FleetEntr
 
 
 def build(now: Snapshot, then: Snapshot | None, fleet: Sequence[FleetEntry],
-          ready: str, samples: Sequence[Snapshot] = ()) -> Status:
-    """The page's content from the newest snapshot, an older one, this worker's roster and
-    (for the plots) the samples kept between them."""
+          ready: str, samples: Sequence[Snapshot] = (),
+          sources: Sequence[Mapping[str, Any]] = ()) -> Status:
+    """The page's content from the newest snapshot, an older one, this worker's roster,
+    (for the plots) the samples kept between them, and this worker's membership sources
+    (``SourceState.doc()``)."""
     gauge = {name: summed(list(now.series(name)), ["instance"]) for name in (
         "epd_instance_live", "epd_instance_last_probe_ok",
         "epd_instance_last_probe_latency_seconds", "epd_instance_last_probe_timestamp_seconds",
@@ -234,7 +250,15 @@ def build(now: Snapshot, then: Snapshot | None, fleet: Sequence[FleetEntry],
     chunks = sum(n for _, n in delta(now, then, "epd_streamed_chunks_total"))
     window = None if then is None else now.taken - then.taken
     return Status(window, ready, rows, requests, _latencies(now, then), chunks, counters,
-                  charts(samples, now, fleet), _models(now, then))
+                  charts(samples, now, fleet), _models(now, then),
+                  sources=_sources(now, sources))
+
+
+def _sources(now: Snapshot, sources: Sequence[Mapping[str, Any]]) -> list[SourceRow]:
+    up = {labels.get("source"): value for labels, value in now.series("epd_discovery_up")}
+    return [SourceRow(s["source"], bool(s["up"]) if up.get(s["source"]) is None
+                      else up[s["source"]] >= 1, s["detail"], s["since"], s["members"])
+            for s in sources]
 
 
 def _models(now: Snapshot, then: Snapshot | None) -> list[ModelRow]:
@@ -284,6 +308,18 @@ def render(status: Status) -> str:
         out.append("<h2>Last minutes</h2>")
         out.extend(f'<div class="chart"><h3>{e(chart.title)}</h3>{plots.svg(chart)}'
                    f"<p>{plots.legend(chart)}</p></div>" for chart in status.charts)
+    if status.sources:
+        out.append("<h2>Membership sources</h2>")
+        out.append("<table><tr><th class=\"l\">source</th><th class=\"l\">state</th>"
+                   "<th class=\"l\">since</th><th>instances</th>"
+                   "<th class=\"l\">this worker</th></tr>")
+        for src in status.sources:
+            state = "UP" if src.up else "DOWN"
+            out.append(f"<tr><td class=\"l\">{e(src.name)}</td>"
+                       f"<td class=\"l {'live' if src.up else 'evicted'}\">{state}</td>"
+                       f"<td class=\"l\">{_age(max(0.0, time.time() - src.since))}</td>"
+                       f"<td>{src.members}</td><td class=\"l\">{e(src.detail)}</td></tr>")
+        out.append("</table>")
     out.append("<h2>Instances</h2>")
     roles = []
     for row in status.instances:

@@ -4,7 +4,8 @@ other EPD proxies' launchers call, as ``X-Admin-API-Key`` is ``X-API-Key``.
 
 Thin views: check ``ADMIN_API_KEY``, parse, apply the SSRF policy for instance URLs, hand
 the change to this worker's ``RosterSync``, which persists it to the roster file and makes every
-worker follow. Without a key the API is disabled, and says so. Mounted under
+worker follow, or, when the roster names an etcd store, to etcd, which every worker watches
+(docs/behaviour.md#discovery). Without a key the API is disabled, and says so. Mounted under
 ``EPD_ADMIN_PREFIX`` when one is set.
 """
 
@@ -17,21 +18,19 @@ from typing import Any
 
 from flask import Blueprint, Response, request
 
+from epd_flask.control.roles import PREFILL_DECODE
 from epd_flask.control.roster import (
     Instance,
     RoleConflict,
     RosterError,
     RosterTooLarge,
+    connector_problem,
+    mixes_roles,
     normalize_url,
     parse_instance,
 )
 from epd_flask.control.rosterfile import RosterFileError, RosterWriteError
-from epd_flask.control.urlpolicy import (
-    URLPolicy,
-    URLPolicyError,
-    check_instance_address,
-    check_instance_url,
-)
+from epd_flask.control.urlpolicy import URLPolicy, URLPolicyError, check_addresses
 from epd_flask.core.errors import (
     ClientError,
     Conflict,
@@ -40,7 +39,10 @@ from epd_flask.core.errors import (
     ProxyError,
     Unprocessable,
 )
+from epd_flask.fleet.live import FILE, FleetView
 from epd_flask.fleet.rostersync import RosterSync
+from epd_flask.fleet.sources.etcdsource import EtcdSource
+from epd_flask.upstream.etcd import EtcdError
 from epd_flask.web.services import Services, services
 
 bp = Blueprint("admin", __name__)
@@ -85,7 +87,9 @@ def _json(doc: dict[str, Any], status: int = 200) -> Response:
 
 @bp.get("/instances")
 def list_instances() -> Response:
-    return _json(_fleet().status())
+    svc = _authorized()
+    return _json({**svc.roster_sync.status(),
+                  "sources": [source.state.doc() for source in svc.sources.values()]})
 
 
 @bp.post("/instances")
@@ -103,35 +107,51 @@ def register() -> Response:
     except RosterError as exc:
         raise Unprocessable(str(exc)) from None
     _check_policy(inst, svc.url_policy)
-    change = _change(fleet.register, inst)
-    body = {"status": change.status, "generation": fleet.generation, "worker": os.getpid(),
+    store = _store(svc)
+    if store is not None and svc.live.view.sources.get(inst.url) != FILE:
+        _check_fits(inst, svc.live.view)
+        status = _stored(store.register, inst)
+    else:  # no store, or the file lists it: its record is the one served
+        status = _change(fleet.register, inst).status
+    body = {"status": status, "generation": fleet.generation, "worker": os.getpid(),
             "instance": inst.record()}
-    return _json(body, 201 if change.status == "registered" else 200)
+    return _json(body, 201 if status == "registered" else 200)
 
 
 def _check_policy(inst: Instance, policy: URLPolicy) -> None:
     """SSRF policy before anything is written: the URLs are requests the proxy will make,
     the transfer addresses connections the instances will make on the proxy's word."""
-    checks: list[tuple[str, str, Any]] = [("url", inst.url, check_instance_url)]
-    if inst.bootstrap_url is not None:
-        checks.append(("bootstrap_url", inst.bootstrap_url, check_instance_url))
-    if inst.kv_zmq_addr is not None:
-        checks.append(("kv_zmq_addr", inst.kv_zmq_addr, check_instance_address))
-    if inst.kv_events is not None:  # the proxy's own workers connect to it
-        checks.append(("kv_events", inst.kv_events, check_instance_address))
-    for n, addr in enumerate(inst.ec_zmq_addrs or ()):
-        checks.append((f"ec_zmq_addrs[{n}]", addr, check_instance_address))
-    for field, value, check in checks:
-        try:
-            check(value, policy)
-        except URLPolicyError as exc:
-            raise Unprocessable(f"{field}: {exc}", code="instance_url_not_allowed",
-                                param=field) from None
+    try:
+        check_addresses(inst.addresses(), policy)
+    except URLPolicyError as exc:
+        raise Unprocessable(str(exc), code="instance_url_not_allowed",
+                            param=exc.field) from None
+
+
+def _check_fits(inst: Instance, view: FleetView) -> None:
+    """What the roster check says of a file registration, said of a store's: a record the
+    live fleet would leave out is refused, not written (docs/behaviour.md#discovery)."""
+    problem = connector_problem(view.settings, inst)
+    if problem is not None:
+        raise Unprocessable(problem)
+    if mixes_roles(inst.role, (i.role for i in view.instances if i.url != inst.url)):
+        serving = "split prefill/decode" if inst.role == PREFILL_DECODE \
+            else "combined prefill_decode"
+        raise Conflict(f"cannot register {inst.url} as {inst.role}: the fleet serves "
+                       f"{serving} instances, and the two are never mixed", code="role_conflict")
+
+
+def _store(svc: Services) -> EtcdSource | None:
+    """The membership store the admin API writes to instead of the file
+    (docs/behaviour.md#discovery), when the roster names one."""
+    store = svc.sources.get("etcd")
+    return store if isinstance(store, EtcdSource) else None
 
 
 @bp.delete("/instances")
 def unregister() -> Response:
-    fleet = _fleet()
+    svc = _authorized()
+    fleet = svc.roster_sync
     raw = request.args.get("url")
     if not raw:
         raise ClientError("name the instance to remove: DELETE /instances?url=<base URL>",
@@ -140,14 +160,34 @@ def unregister() -> Response:
         url = normalize_url(raw)
     except ValueError as exc:
         raise Unprocessable(f"url {exc}", param="url") from None
+    source = svc.live.view.sources.get(url)
+    store = _store(svc)
+    if source is not None and source != FILE and (store is None or source != store.name):
+        raise Conflict(f"instance {url} comes from {source}, which the admin API does not "
+                       f"write: remove it there", code="instance_not_writable", param="url")
     try:
+        if store is not None and source != FILE:
+            gone = _stored(store.unregister, url)
+            record = gone.record() if gone is not None else {"url": url}
+            return _json({"status": "removed", "generation": fleet.generation,
+                          "worker": os.getpid(), "instance": record})
         change = _change(fleet.unregister, url)
     except KeyError:
-        raise NotFound(f"instance {url} is not in the roster", code="unknown_instance",
+        where = "in etcd" if store is not None else "in the roster"
+        raise NotFound(f"instance {url} is not {where}", code="unknown_instance",
                        param="url") from None
     assert change.instance is not None
     return _json({"status": change.status, "generation": fleet.generation,
                   "worker": os.getpid(), "instance": change.instance.record()})
+
+
+def _stored(action: Any, arg: Any) -> Any:
+    """A write to the membership store, its failure as the client's status."""
+    try:
+        return action(arg)
+    except EtcdError as exc:
+        raise ProxyError(f"etcd did not take the change: {exc}", status=503,
+                         code="membership_store_unavailable") from None
 
 
 def _change(action: Any, arg: Any) -> Any:

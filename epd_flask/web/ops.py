@@ -36,7 +36,8 @@ def status_page() -> Response:
     ok, reason = svc.pipeline.ready()
     fleet = [FleetEntry(s.instance.role, s.instance.url, s.live) for s in svc.registry.states()]
     page = statuspage.build(now, svc.history.baseline(now), fleet, "yes" if ok else reason,
-                            svc.history.samples())
+                            svc.history.samples(),
+                            [source.state.doc() for source in svc.sources.values()])
     return Response(statuspage.render(page), status=200, content_type="text/html; charset=utf-8",
                     headers={"Cache-Control": "no-store"})
 

@@ -21,6 +21,7 @@ from epd_flask.fleet.prober import Prober
 from epd_flask.fleet.registry import Registry
 from epd_flask.fleet.rostersync import RosterSync
 from epd_flask.fleet.routing import Router
+from epd_flask.fleet.sources import Source
 from epd_flask.observe import metrics
 from epd_flask.serving.pipeline import Pipeline
 from epd_flask.upstream.transport import Transport
@@ -47,6 +48,8 @@ class Services:
     url_policy: URLPolicy = field(default_factory=URLPolicy)
     history: metrics.History = field(default_factory=metrics.History)
     kv_events: KVEvents | None = None
+    #: Membership sources besides the file (fleet/sources), by name.
+    sources: dict[str, Source] = field(default_factory=dict)
 
     @property
     def registry(self) -> Registry:
@@ -69,9 +72,13 @@ class Services:
         self.history.start()
         if self.kv_events is not None:
             self.kv_events.start()
+        for source in self.sources.values():
+            source.start()
 
     def stop(self) -> None:
         self.drain.stop()
+        for source in self.sources.values():
+            source.stop()
         self.prober.stop()
         if self.discovery is not None:
             self.discovery.stop()

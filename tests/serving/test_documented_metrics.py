@@ -20,7 +20,7 @@ import yaml
 
 from tests import rosters
 from tests.bodies import chat, image
-from tests.helpers import RawStream, Samples, eventually, scrape
+from tests.helpers import RawStream, Samples, eventually, free_port, scrape
 from tests.unit.test_kvaware import Publisher, publish_until_ready
 
 README = Path(__file__).parents[2] / "README.md"
@@ -129,6 +129,14 @@ def test_every_documented_metric_moves(sim, proxy, tmp_path: Path) -> None:
     finally:
         px.services.kv_events.stop()
         events.close()
+    step()
+    # A membership source whose nameserver does not answer says so.
+    lost = proxy({"discovery": {"dns": [{"name": "d.svc.test", "role": "decode", "port": 8000,
+                                         "interval": 0.1,
+                                         "nameserver": f"127.0.0.1:{free_port()}"}]}},
+                 probes=True)
+    dns = lost.services.sources["dns"]
+    assert eventually(lambda: dns.state.detail != "starting" and not dns.state.up)
     step()
     # The per-worker cap is a setting: another worker (app) with another cap reports it.
     other = proxy(doc, max_in_flight=3)
