@@ -11,6 +11,7 @@ library plus the roster schema, like everything the master imports.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import signal
 import sys
@@ -27,6 +28,9 @@ CONFIG = "python:epd_flask.control.gunicorn_config"
 APP = "epd_flask.wsgi:app"
 #: Everything after this argument goes to gunicorn unchanged.
 PASSTHROUGH = "--"
+#: Commands that run apart from the server, named as data (``module:function``) because
+#: they live above control/ and the master must not import them.
+COMMANDS = {"register": "epd_flask.fleet.registrant:main"}
 
 _GROUPS = {
     settings.GUNICORN: "server (gunicorn)",
@@ -45,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="epd-flask",
         usage="epd-flask [OPTIONS] [-- GUNICORN-OPTIONS]\n"
               "       epd-flask [OPTIONS] check-roster [FILE ...]\n"
-              "       epd-flask [OPTIONS] reload",
+              "       epd-flask [OPTIONS] reload\n"
+              "       epd-flask register --etcd URL --prefix P --role R --url URL [...]",
         description="OpenAI-compatible proxy for disaggregated vLLM serving. With no "
                     "command, start the server (gunicorn with gevent workers) on the roster. "
                     "Every option is also its environment variable; an option wins.",
@@ -87,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in COMMANDS:
+        module, _, function = COMMANDS[args[0]].partition(":")
+        return int(getattr(importlib.import_module(module), function)(args[1:]))
     extra: list[str] = []
     if PASSTHROUGH in args:
         cut = args.index(PASSTHROUGH)
