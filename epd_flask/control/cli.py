@@ -130,12 +130,15 @@ def _apply(parser: argparse.ArgumentParser, opts: argparse.Namespace) -> None:
         if var.type is bool:
             value = "1" if value else "0"
         os.environ[var.name] = value
-    for var in settings.ENV.values():
+    # Those given here first: a bad --port is reported as that flag, not through the
+    # default of EPD_BIND, which is made of it.
+    given = [v for v in settings.ENV.values() if getattr(opts, v.name, None) is not None]
+    for var in [*given, *settings.ENV.values()]:
         try:
             var.read()
         except ValueError as exc:
-            given = getattr(opts, var.name, None) is not None
-            parser.error(f"argument {var.flag}: {exc}" if given and var.flag else str(exc))
+            parser.error(f"argument {var.flag}: {exc}" if var in given and var.flag
+                         else str(exc))
 
 
 def serve(gunicorn_args: Sequence[str] = ()) -> None:

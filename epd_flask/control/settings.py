@@ -10,6 +10,7 @@ this.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -45,8 +46,9 @@ class EnvVar:
     """One environment variable.
 
     ``type`` picks the parse (whole numbers, seconds, on/off, text, comma-separated list);
-    ``choices`` restricts text; ``minimum`` bounds whole numbers. An empty value means "unset"
-    unless ``literal``: for gunicorn's own ``HOST``-style values an empty string is a value.
+    ``choices`` restricts text; ``minimum`` and ``maximum`` bound whole numbers. An empty
+    value means "unset" unless ``literal``: for gunicorn's own ``HOST``-style values an empty
+    string is a value.
     ``shown`` is the README's default column where it is not the value itself. Each variable
     is also a flag of the ``epd-flask`` command (``EPD_WORKERS`` is ``--workers``), except a
     ``secret``: a key on a command line is readable by every user of the host. Each one the
@@ -60,6 +62,7 @@ class EnvVar:
     read_by: tuple[str, ...]
     choices: tuple[str, ...] = ()
     minimum: int = 1
+    maximum: int | None = None
     literal: bool = False
     default_from: Callable[[Environ], Any] | None = None
     shown: str | None = None
@@ -91,7 +94,7 @@ class EnvVar:
         if self.type is bool:
             return _bool(self.name, raw, self.default_value(env))
         if self.type is int:
-            return _int(self.name, raw, self.minimum)
+            return _int(self.name, raw, self.minimum, self.maximum)
         if self.type is float:
             return _float(self.name, raw)
         if self.type is tuple:
@@ -167,8 +170,8 @@ _ENV_VARS = (
            shown="`$HOST:$PORT`", metavar="HOST:PORT"),
     EnvVar("HOST", str, "127.0.0.1", "listen host when EPD_BIND is unset", (GUNICORN,),
            literal=True, metavar="HOST"),
-    EnvVar("PORT", str, "8000", "listen port when EPD_BIND is unset", (GUNICORN,),
-           literal=True, metavar="PORT"),
+    EnvVar("PORT", int, 8000, "listen port when EPD_BIND is unset", (GUNICORN,),
+           maximum=65535, metavar="PORT"),
     EnvVar("EPD_WORKERS", int, None, "gunicorn workers (gevent: one per core)", (GUNICORN,),
            default_from=lambda env: os.cpu_count() or 1, shown="number of cores"),
     # The app reads it only as the base of EPD_MAX_IN_FLIGHT's default.
@@ -356,7 +359,7 @@ def default(name: str) -> Any:
     return ENV[name].default if name in ENV else ROSTER[name].default
 
 
-def _int(name: str, raw: str, minimum: int) -> int:
+def _int(name: str, raw: str, minimum: int, maximum: int | None) -> int:
     try:
         value = int(raw)
     except ValueError:
@@ -364,6 +367,8 @@ def _int(name: str, raw: str, minimum: int) -> int:
     if value < minimum:
         raise ValueError(f"{name} must be positive, got {value}" if minimum > 0
                          else f"{name} must not be negative, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be at most {maximum}, got {value}")
     return value
 
 
@@ -374,6 +379,8 @@ def _float(name: str, raw: str) -> float:
         raise ValueError(f"{name} must be a number of seconds, got {raw!r}") from None
     if not value > 0:
         raise ValueError(f"{name} must be positive, got {raw!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number of seconds, got {raw!r}")
     return value
 
 

@@ -63,6 +63,9 @@ def test_version_is_the_package_and_distribution_version(tmp_path: Path) -> None
     (["--admin-api-key=k"], {}, "unrecognized arguments: --admin-api-key=k"),
     ([], {"EPD_LOG_FORMAT": "xml"}, "EPD_LOG_FORMAT must be one of logfmt, json, got 'xml'"),
     (["reload", "extra"], {}, "unrecognized arguments: extra"),
+    (["--body-timeout", "inf"], {},
+     "argument --body-timeout: EPD_BODY_TIMEOUT must be a finite number of seconds, got 'inf'"),
+    (["--port", "99999"], {}, "argument --port: PORT must be at most 65535, got 99999"),
 ])
 def test_bad_flags_and_values_are_usage_errors(tmp_path: Path, args: list[str],
                                                env: dict[str, str], message: str) -> None:

@@ -112,10 +112,21 @@ def test_bounds_and_messages_operators_already_know() -> None:
         ({"EPD_LOG_FORMAT": "XML"}, "EPD_LOG_FORMAT must be one of logfmt, json, got 'xml'"),
         ({"EPD_DEBUG_ENDPOINTS": "Maybe"},
          "EPD_DEBUG_ENDPOINTS must be one of on/off, true/false, 1/0; got 'maybe'"),
+        ({"EPD_BODY_TIMEOUT": "inf"}, "EPD_BODY_TIMEOUT must be a finite number of seconds, "
+                                      "got 'inf'"),
+        ({"EPD_HEADER_TIMEOUT": "1e999"}, "EPD_HEADER_TIMEOUT must be a finite number of "
+                                          "seconds, got '1e999'"),
+        ({"EPD_UPSTREAM_IDLE_TIMEOUT": "nan"},
+         "EPD_UPSTREAM_IDLE_TIMEOUT must be positive, got 'nan'"),
     ]:
         with pytest.raises(ValueError) as err:
             ProxyConfig.from_env(env)
         assert str(err.value) == message
+    with pytest.raises(ValueError, match=r"^PORT must be at most 65535, got 99999$"):
+        settings.read("PORT", {"PORT": "99999"})
+    with pytest.raises(ValueError, match=r"^PORT must be a whole number, got 'http'$"):
+        settings.read("PORT", {"PORT": "http"})
+    assert settings.read("PORT", {"PORT": "65535"}) == 65535
     # gunicorn takes 0 for these (no heartbeat limit, no grace, no keep-alive), not -1.
     assert settings.read("EPD_KEEPALIVE", {"EPD_KEEPALIVE": "0"}) == 0
     with pytest.raises(ValueError, match="EPD_WORKER_TIMEOUT must not be negative, got -1"):
