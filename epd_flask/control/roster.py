@@ -10,6 +10,7 @@ a file without starting anything.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import os
 import re
 import stat
@@ -376,9 +377,10 @@ def check_instance(inst: Instance) -> None:
 def parse(doc: Any, source: str = "<roster>", text: str | None = None) -> Roster:
     """Validate a parsed YAML document; errors name the source, the instance and the field.
 
-    A document that is not a roster at all (a mapping with other top-level keys: the path
-    points at some other file) is described by its keys and their lines only, never by its
-    values; ``text`` (the file) gives those lines.
+    A mapping with other top-level keys is a roster with a misspelt key when it has a
+    roster's key too, and those keys are named; without one it is some other file the path
+    points at (a secret, ``/etc/shadow``, whose keys are its content), and only the lines of
+    its keys are given. ``text`` (the file) gives those lines.
     """
     if doc is None:
         doc = {}
@@ -387,8 +389,10 @@ def parse(doc: Any, source: str = "<roster>", text: str | None = None) -> Roster
                           f"optional 'settings' and 'discovery', got {type(doc).__name__}")
     foreign = [k for k in doc if k not in TOP_LEVEL_KEYS]
     if foreign:
-        raise RosterError(f"{source}: not a roster: {_foreign_keys(foreign, text)}; a roster "
-                          f"has only {', '.join(repr(k) for k in TOP_LEVEL_KEYS)}")
+        what = _foreign_keys(foreign, text) if len(foreign) < len(doc) \
+            else _other_file(foreign, text)
+        raise RosterError(f"{source}: not a roster: {what}; a roster has only "
+                          f"{', '.join(repr(k) for k in TOP_LEVEL_KEYS)}")
     instances = doc.get("instances")
     limit = declared.read("EPD_ROSTER_MAX_INSTANCES")
     if isinstance(instances, list) and len(instances) > limit:
@@ -498,17 +502,40 @@ def _flow_depth(text: str) -> int:
     return deepest
 
 
+def _key_lines(text: str | None) -> dict[str, int]:
+    """The line of each top-level key of ``text``."""
+    if text is None:
+        return {}
+    with contextlib.suppress(yaml.YAMLError, RecursionError):
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        if isinstance(node, yaml.MappingNode):
+            return {str(k.value): k.start_mark.line + 1 for k, _ in node.value}
+    return {}
+
+
 def _foreign_keys(keys: list[Any], text: str | None) -> str:
-    lines: dict[str, int] = {}
-    if text is not None:
-        with contextlib.suppress(yaml.YAMLError, RecursionError):
-            node = yaml.compose(text, Loader=yaml.SafeLoader)
-            if isinstance(node, yaml.MappingNode):
-                lines = {str(k.value): k.start_mark.line + 1 for k, _ in node.value}
+    """A roster's misspelt keys, named."""
+    lines = _key_lines(text)
     named = [f"{str(k)[:40]!r}" + (f" (line {lines[str(k)]})" if str(k) in lines else "")
              for k in keys[:5]]
     more = f" and {len(keys) - 5} more" if len(keys) > 5 else ""
     return f"unknown top-level key{'s' if len(keys) > 1 else ''} {', '.join(named)}{more}"
+
+
+def _other_file(keys: list[Any], text: str | None) -> str:
+    """Some other file: where its keys are, and which look like a misspelt roster key (ours
+    named, never theirs)."""
+    lines = _key_lines(text)
+    found = [lines[str(k)] for k in keys[:5] if str(k) in lines]
+    where = f" (line{'s' if len(found) > 1 else ''} {', '.join(map(str, found))}" \
+        f"{', ...' if len(keys) > 5 else ''})" if found else ""
+    hints = [f"line {lines[str(k)]} looks like {close[0]!r}" for k in keys[:5]
+             if str(k) in lines and len(str(k)) <= 2 * max(map(len, TOP_LEVEL_KEYS))
+             and (close := difflib.get_close_matches(str(k), TOP_LEVEL_KEYS, 1, 0.75))]
+    keys_are = f"its {len(keys)} top-level keys{where} are" if len(keys) > 1 \
+        else f"its top-level key{where} is"
+    return (f"{keys_are} not a roster's (not shown: the file may be something else)"
+            + (f"; {', '.join(hints)}" if hints else ""))
 
 
 def admin_write_problem(path: str | os.PathLike[str]) -> str | None:

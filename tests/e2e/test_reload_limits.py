@@ -112,5 +112,5 @@ def test_start_up_with_a_secrets_file_names_no_secret(tmp_path: Path) -> None:
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=30)
     out = done.stdout + done.stderr
     assert done.returncode != 0
-    assert "not a roster: unknown top-level keys 'db_password' (line 1)" in out, out
+    assert "not a roster: its 2 top-level keys (lines 1, 2) are not a roster's" in out, out
     assert SECRET not in out

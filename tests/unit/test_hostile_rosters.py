@@ -32,6 +32,8 @@ NOT_ROSTERS = {
     "list": f"- {SECRET}\n- {SECRET}\n",
     "pem": f"-----BEGIN PRIVATE KEY-----\n{SECRET}\n-----END PRIVATE KEY-----\n",
     "json": f'{{"password": "{SECRET}", "instances": [{{"url": "{SECRET}"}}]}}',
+    # /etc/shadow: each line is one key (its last ':' ends it), the password hash in it.
+    "shadow": f"root:$6${SECRET}:19000:0:99999:7:::\ndaemon:*:19000:0:99999:7:::\n",
 }
 
 
@@ -65,11 +67,28 @@ def test_a_roster_path_pointing_at_another_file_never_echoes_it(
     assert "REJECTED" in caplog.text and SECRET not in caplog.text
 
 
-def test_a_file_that_is_not_a_roster_is_named_by_its_keys_and_lines(tmp_path: Path) -> None:
+def test_a_file_that_is_not_a_roster_is_described_by_its_lines_only(tmp_path: Path) -> None:
     path = tmp_path / "roster.yaml"
     path.write_text(NOT_ROSTERS["mapping"])
-    with pytest.raises(RosterError, match=r"not a roster: unknown top-level keys "
-                                          r"'db_password' \(line 1\), 'api_token' \(line 2\)"):
+    with pytest.raises(RosterError) as info:
+        load(path)
+    assert str(info.value) == (
+        f"{path}: not a roster: its 2 top-level keys (lines 1, 2) are not a roster's (not "
+        "shown: the file may be something else); a roster has only 'settings', "
+        "'discovery', 'instances'")
+    path.write_text(NOT_ROSTERS["shadow"])
+    with pytest.raises(RosterError, match=r"not a roster: its 2 top-level keys \(lines 1, 2\) "
+                                          r"are not a roster's \(not shown"):
+        load(path)
+    # A roster with a misspelt key: named, since the file is a roster; or, when that was its
+    # only key, the roster's own key it looks like.
+    path.write_text("instances: []\nsetings: {probe_interval: 1}\n")
+    with pytest.raises(RosterError, match=r"not a roster: unknown top-level key 'setings' "
+                                          r"\(line 2\)"):
+        load(path)
+    path.write_text("# fleet\ninstance:\n  - {role: decode, url: 'http://h:1'}\n")
+    with pytest.raises(RosterError, match=r"its top-level key \(line 2\) is not a roster's "
+                                          r".*; line 2 looks like 'instances'; a roster has"):
         load(path)
     path.write_text(NOT_ROSTERS["tab"])
     with pytest.raises(RosterError, match=r"not valid YAML at line 2, column 1: found "
