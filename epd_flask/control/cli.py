@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import itertools
 import os
 import signal
 import sys
@@ -160,8 +161,9 @@ def serve(gunicorn_args: Sequence[str] = ()) -> None:
 
 def reload() -> int:
     """SIGHUP to the master named by the pidfile; its pid. Refuses a pidfile that is missing,
-    unreadable, or names a process that is gone or is no gunicorn (a stale file: the pid may
-    belong to something else by now, and SIGHUP kills most processes)."""
+    unreadable, or names a process that is gone, is this command, is no gunicorn running
+    epd-flask, or is one of its workers (a stale file: the pid may belong to something else
+    by now, and SIGHUP stops most processes, a gunicorn worker included)."""
     pidfile = settings.read("EPD_PIDFILE")
     if not pidfile:
         raise CommandError("reload: no pidfile named; start the server with --pidfile FILE "
@@ -183,20 +185,48 @@ def reload() -> int:
     except PermissionError:
         raise CommandError(f"reload: pid {pid} in {pidfile} belongs to another user; "
                            "run as the server's user") from None
-    command = _command_line(pid)
-    if command is not None and "gunicorn" not in command:
+    if pid == os.getpid():
+        raise CommandError(f"reload: pid {pid} in {pidfile} is this command; stale pidfile?")
+    argv = _command_line(pid)
+    if argv is not None and not _is_ours(argv):
         raise CommandError(f"reload: pid {pid} in {pidfile} is not an epd-flask master "
-                           f"({command[:60]!r}); stale pidfile?")
+                           f"({' '.join(argv)[:60]!r}); stale pidfile?")
+    parent = _parent(pid)
+    above = _command_line(parent) if parent is not None else None
+    if above is not None and _is_ours(above):
+        raise CommandError(f"reload: pid {pid} in {pidfile} is a worker of the epd-flask "
+                           f"master {parent}, which SIGHUP would stop; stale pidfile?")
     os.kill(pid, signal.SIGHUP)
     return pid
 
 
-def _command_line(pid: int) -> str | None:
-    """The process's command line where /proc shows it (Linux), else None."""
+def _is_ours(argv: list[str]) -> bool:
+    """A gunicorn running our configuration or application: what ``serve`` executes
+    (``python -m gunicorn -c python:epd_flask... epd_flask.wsgi:app``), ``gunicorn ...
+    epd_flask.wsgi:app``, or either retitled by setproctitle (``gunicorn: master
+    [epd_flask.wsgi:app]``). A name that merely contains "gunicorn" (another server, a
+    shell whose arguments name the pidfile) is not."""
+    runs_gunicorn = bool(argv) and (
+        os.path.basename(argv[0]) == "gunicorn" or argv[0].startswith("gunicorn: ")
+        or ("-m", "gunicorn") in itertools.pairwise(argv))
+    return runs_gunicorn and any("epd_flask" in a for a in argv)
+
+
+def _command_line(pid: int) -> list[str] | None:
+    """The process's arguments where /proc shows them (Linux), else None."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            raw = f.read()
     except OSError:
+        return None
+    return [a.decode(errors="replace") for a in raw.rstrip(b"\0").split(b"\0")]
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
         return None
 
 

@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ import yaml
 
 import epd_flask
 from epd_flask.control import cli, settings
-from tests.helpers import free_port
+from tests.helpers import free_port, stop_group
 
 pytestmark = pytest.mark.e2e
 
@@ -124,16 +125,71 @@ def test_reload_with_no_running_server_says_so_and_signals_nothing(tmp_path: Pat
     out = epd_flask_cmd("reload", "--pidfile", str(pidfile), cwd=tmp_path)
     assert out.returncode == 1
     assert f"no server running: pid {dead.pid} in {pidfile} has exited" in out.stderr
-    # A pid reused by some other process: SIGHUP would kill it, so it is not sent.
-    other = subprocess.Popen(["sleep", "30"])
+    # A pid reused by some other process: SIGHUP would kill it, so it is not sent; neither to
+    # one whose command line merely contains "gunicorn".
+    for argv in (["sleep", "30"], [sys.executable, "-c", "import time; time.sleep(30)",
+                                   "gunicorn", "--pidfile", str(pidfile)]):
+        other = subprocess.Popen(argv)
+        try:
+            pidfile.write_text(f"{other.pid}\n")
+            out = epd_flask_cmd("--pidfile", str(pidfile), "reload", cwd=tmp_path)
+            assert out.returncode == 1 and "is not an epd-flask master" in out.stderr, argv
+            time.sleep(0.2)
+            assert other.poll() is None, argv
+        finally:
+            other.kill()
+            other.wait()
+
+
+def test_reload_signals_the_master_and_never_a_worker(tmp_path: Path) -> None:
+    """A pidfile naming one of the master's workers (a pid the master once had, reused) is
+    refused: a worker stops on SIGHUP. The master's own pid reloads."""
+    port, pidfile = free_port(), tmp_path / "gunicorn.pid"
+    roster = tmp_path / "roster.yaml"
+    roster.write_text(yaml.safe_dump({"instances": [
+        {"role": "prefill_decode", "url": f"http://127.0.0.1:{free_port()}"}]}))
+    log = (tmp_path / "server.log").open("wb")
+    clean = {k: v for k, v in os.environ.items() if k not in settings.ENV}
+    server = subprocess.Popen(
+        [COMMAND, "--port", str(port), "--pidfile", str(pidfile), "--workers", "1",
+         "--roster", str(roster), "--state-dir", str(tmp_path / "state")],
+        cwd=tmp_path, env=clean, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        pidfile.write_text(f"{other.pid}\n")
+        deadline = time.monotonic() + 30
+        while not (pidfile.exists() and children(server.pid)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        (worker,) = children(server.pid)
+        assert int(pidfile.read_text()) == server.pid
+        stale = tmp_path / "stale.pid"
+        stale.write_text(f"{worker}\n")
+        out = epd_flask_cmd("--pidfile", str(stale), "reload", cwd=tmp_path)
+        assert out.returncode == 1, out.stderr
+        assert f"is a worker of the epd-flask master {server.pid}" in out.stderr
+        assert worker in children(server.pid)
         out = epd_flask_cmd("--pidfile", str(pidfile), "reload", cwd=tmp_path)
-        assert out.returncode == 1 and "is not an epd-flask master" in out.stderr
-        assert other.poll() is None
+        assert out.returncode == 0 and f"SIGHUP sent to the master (pid {server.pid})" \
+            in out.stdout, out.stderr
+        while "Hang up" not in (tmp_path / "server.log").read_text() \
+                and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "Hang up" in (tmp_path / "server.log").read_text()
     finally:
-        other.kill()
-        other.wait()
+        stop_group(server)
+        log.close()
+
+
+def children(pid: int) -> set[int]:
+    """Pids of ``pid``'s children (Linux /proc)."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.add(int(entry.name))
+    return found
 
 
 def test_options_after_the_separator_go_to_gunicorn(tmp_path: Path) -> None:
