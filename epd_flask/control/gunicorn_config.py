@@ -13,6 +13,7 @@ sets variables; each variable (type, default, check) is declared once in
 
 import gc
 import logging
+import os
 
 # Standard library only (the master must not load ssl); see their docstrings.
 from epd_flask.control import metricsdir
@@ -95,7 +96,24 @@ def on_starting(server):
         requests_log.propagate = False
     metricsdir.prepare()
     # Validate the roster before listening; a bad one stops start-up with the reason.
-    _epd_reload.start(server)
+    reloader = _epd_reload.start(server)
+    _own_control_socket(server, str(reloader.state.path))
+
+
+#: gunicorn's control socket (for ``gunicornc``) is one path per user by default
+#: ($XDG_RUNTIME_DIR/gunicorn.ctl, else ~/.gunicorn/gunicorn.ctl): a second master of the
+#: same user unlinks the first's socket and binds its own there, and whichever stops first
+#: removes the other's. Each master's lives in its own state directory instead, unless
+#: ``--control-socket`` names one.
+CONTROL_SOCKET = "gunicorn.ctl"
+
+
+def _own_control_socket(server, state_dir):
+    """gunicorn starts the control server after the first workers, on the path this sets,
+    and keeps it there for the master's life."""
+    setting = server.cfg.settings.get("control_socket")
+    if setting is not None and setting.value == setting.default:
+        server.cfg.set("control_socket", os.path.join(state_dir, CONTROL_SOCKET))
 
 
 def when_ready(server):
@@ -112,6 +130,7 @@ def on_reload(server):
     reloader = _epd_reload.of(server)
     if reloader is not None:
         reloader.on_reload()
+        _own_control_socket(server, str(reloader.state.path))  # the configuration read anew
 
 
 def post_fork(server, worker):

@@ -227,8 +227,9 @@ def test_k8s_pieces_reference_each_other() -> None:
     pre_stop = app["lifecycle"]["preStop"]["exec"]["command"]
     assert pre_stop[0] == "sleep"
     assert spec["terminationGracePeriodSeconds"] > graceful + int(pre_stop[1])
-    # A read-only root filesystem: the control socket and worker heartbeats need tmpfs dirs.
+    # A read-only root filesystem: the state directory (gunicorn's control socket in it) and
+    # worker heartbeats need a writable /tmp.
     assert app["securityContext"]["readOnlyRootFilesystem"] is True
     mounted = {m["mountPath"] for m in app["volumeMounts"]}
-    assert {"/tmp", env_of(app)["XDG_RUNTIME_DIR"]} <= mounted
+    assert "/tmp" in mounted and "EPD_STATE_DIR" not in env_of(app)
     assert "EPD_WORKERS" in env_of(app)
