@@ -32,6 +32,7 @@ from epd_flask.fleet.routing import Router
 from epd_flask.fleet.sources import Context as SourceContext
 from epd_flask.fleet.sources import build as build_sources
 from epd_flask.observe import metrics
+from epd_flask.observe.tracing import TraceSettings, Tracing
 from epd_flask.serving import context
 from epd_flask.serving.connectors import connector_class
 from epd_flask.serving.pipeline import Pipeline
@@ -80,12 +81,14 @@ def build_services(config: ProxyConfig, roster: Roster, generation: int = 0, *,
     state = StateDir(config.state_dir) if config.state_dir else None
     roster_sync = RosterSync(live, config.roster_path, state)
     inflight = InFlight(config.max_in_flight)
+    traced = TraceSettings.from_config(config)
     svc = Services(config, live, router, transport, pipeline, prober, roster_sync,
                    inflight, Drain(inflight, config.drain_idle_grace), discovery,
                    keys=KeyRing(config.api_keys),
                    url_policy=URLPolicy.build(config.instance_schemes,
                                               config.instance_networks),
-                   history=metrics.History(), kv_events=kv_events)
+                   history=metrics.History(), kv_events=kv_events,
+                   tracing=Tracing(traced) if traced is not None else None)
     # The policy is read at each record: the server's own addresses join it after the build.
     svc.sources = build_sources(roster.sources,
                                 SourceContext(live, lambda: svc.url_policy, state))

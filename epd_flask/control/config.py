@@ -28,6 +28,8 @@ class _Checks:
     admin_prefix: str
     upstream_client_cert: str | None
     upstream_client_key: str | None
+    otel_bsp_max_export_batch_size: int
+    otel_bsp_max_queue_size: int
 
     def __post_init__(self) -> None:
         if self.api_keys_file:
@@ -47,6 +49,9 @@ class _Checks:
             raise ValueError("EPD_ADMIN_PREFIX must not be under /v1, which nginx publishes")
         if self.upstream_client_key and not self.upstream_client_cert:
             raise ValueError("EPD_UPSTREAM_CLIENT_KEY needs EPD_UPSTREAM_CLIENT_CERT")
+        if self.otel_bsp_max_export_batch_size > self.otel_bsp_max_queue_size:
+            raise ValueError("OTEL_BSP_MAX_EXPORT_BATCH_SIZE must not exceed "
+                             "OTEL_BSP_MAX_QUEUE_SIZE")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Any:

@@ -265,6 +265,25 @@ _ENV_VARS = (
     EnvVar("FORWARDED_ALLOW_IPS", str, "127.0.0.1",
            "addresses whose X-Forwarded-* headers gunicorn trusts", (GUNICORN,),
            literal=True, metavar="A,B,..."),
+    # OpenTelemetry's own variables, with the meaning its specification gives them: these the
+    # app reads itself (whether tracing is on, and what a worker holds for export); the SDK
+    # reads the others (sampler, resource, headers, timeouts; README "Tracing").
+    EnvVar("OTEL_EXPORTER_OTLP_ENDPOINT", str, None,
+           "OTLP/HTTP collector; set, tracing is on (spans to `<url>/v1/traces`)", (APP,),
+           shown="unset (tracing off)", metavar="URL"),
+    EnvVar("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", str, None,
+           "the traces URL itself, instead of the one above; set, tracing is on", (APP,),
+           shown="unset", metavar="URL"),
+    # Only "true" disables, as the specification says: any other value is not an error.
+    EnvVar("OTEL_SDK_DISABLED", str, None, "`true`: tracing off, whatever the endpoint",
+           (APP,), shown="unset", metavar="true"),
+    EnvVar("OTEL_BSP_MAX_QUEUE_SIZE", int, 2048,
+           "finished spans a worker holds for export; past it they are dropped (counted)",
+           (APP,)),
+    EnvVar("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", int, 512,
+           "spans per export request (at most OTEL_BSP_MAX_QUEUE_SIZE)", (APP,)),
+    EnvVar("OTEL_BSP_SCHEDULE_DELAY", int, 5000,
+           "milliseconds between exports of a batch not yet full", (APP,)),
 )
 
 _ROSTER_SETTINGS = (

@@ -89,6 +89,9 @@ kv_events: EventHook[[str, str, int]] = EventHook()
 ended_by_shutdown: EventHook[[int]] = EventHook()
 #: A membership source's reachability (docs/behaviour.md#discovery): (source, up).
 discovery: EventHook[[str, bool]] = EventHook()
+#: Finished spans of this worker's traces went to the collector (reason None) or were lost
+#: (why, as observe/tracing.py names it): (reason, count).
+tracing_spans: EventHook[[str | None, int]] = EventHook()
 
 
 

@@ -27,6 +27,11 @@ FORWARDED_REQUEST_HEADERS = frozenset({
     "tracestate",
     "user-agent",
 })
+#: The W3C trace-context headers: they name the span an instance's own spans nest under.
+TRACE_HEADERS = frozenset({"traceparent", "tracestate"})
+#: The allowlist of a request the proxy traces itself: each upstream call carries the
+#: trace-context headers of its own span instead (docs/behaviour.md#tracing).
+FORWARDED_WHEN_TRACED = FORWARDED_REQUEST_HEADERS - TRACE_HEADERS
 HOP_BY_HOP = frozenset({
     "connection",
     "keep-alive",
@@ -62,15 +67,19 @@ def new_upstream_id() -> str:
 
 
 def upstream_headers(client: Iterable[tuple[str, str]], rid: str,
-                     backend_api_key: str | None = None) -> dict[str, str]:
+                     backend_api_key: str | None = None,
+                     client_trace: bool = True) -> dict[str, str]:
     """Headers for every upstream call of one request: the allowlist plus ``rid``, the id
-    it is known by upstream (``new_upstream_id``, never the client's).
+    it is known by upstream (``new_upstream_id``, never the client's). ``client_trace``
+    off: the client's ``traceparent`` and ``tracestate`` stay here, the proxy tracing the
+    request itself.
 
     With a backend key configured, the client's ``Authorization`` (in any spelling) is dropped
     and ours sent instead: an instance must never see two credentials, nor the client's
     credential for the proxy when the fleet has its own.
     """
-    out = {name: value for name, value in client if name.lower() in FORWARDED_REQUEST_HEADERS
+    allowed = FORWARDED_REQUEST_HEADERS if client_trace else FORWARDED_WHEN_TRACED
+    out = {name: value for name, value in client if name.lower() in allowed
            and not (backend_api_key and name.lower() == "authorization")}
     if backend_api_key:
         out[AUTHORIZATION_HEADER] = f"Bearer {backend_api_key}"

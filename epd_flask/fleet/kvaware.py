@@ -20,7 +20,9 @@ from typing import Any
 
 from epd_flask.control.roster import Instance
 from epd_flask.core import jsoncodec
-from epd_flask.core.errors import ProxyError
+from epd_flask.core.errors import BackendError, ProxyError
+from epd_flask.core.headers import REQUEST_ID_HEADER
+from epd_flask.core.tracing import CallTrace, RequestTrace
 from epd_flask.fleet import policies
 from epd_flask.fleet.kvcache import MAX_TOKEN_ID, CachePicture, are_token_ids, prompt_keys
 from epd_flask.fleet.policies import Decision, Load, Placement, Prefix, RouteRequest
@@ -125,19 +127,27 @@ class Tokenizer:
         self._failing: set[str] = set()
 
     def tokens(self, body: dict[str, Any], instance: Instance,
-               headers: dict[str, str] | None = None) -> tuple[int, ...]:
-        """``body``'s prompt as token ids, asked of ``instance`` (empty: unknown)."""
+               headers: dict[str, str] | None = None,
+               trace: RequestTrace | None = None) -> tuple[int, ...]:
+        """``body``'s prompt as token ids, asked of ``instance`` (empty: unknown); the call
+        is a span of the request's ``trace``, if it has one."""
         wanted = tokenize_request(body)
         if isinstance(wanted, list):
             return tuple(wanted)
         if wanted is None:
             return NO_TOKENS
-        return tuple(self._tokenize(instance.url, wanted,
-                                    headers if headers is not None else self.headers))
+        headers = headers if headers is not None else self.headers
+        span = trace.call(STAGE, instance.role, instance.url,
+                          headers.get(REQUEST_ID_HEADER, "")) if trace is not None else None
+        if span is not None:
+            headers = {**headers, **span.headers}
+        return tuple(self._tokenize(instance.url, wanted, headers, span))
 
-    def _tokenize(self, url: str, doc: dict[str, Any],
-                  headers: dict[str, str]) -> Sequence[int]:
+    def _tokenize(self, url: str, doc: dict[str, Any], headers: dict[str, str],
+                  span: CallTrace | None) -> Sequence[int]:
         timeout = self.timeout()
+        status: int | None = None
+        failure: ProxyError | None = None
         try:
             resp = self.transport.post_json(url + TOKENIZE_PATH, doc, stage=STAGE,
                                             headers=headers, read_timeout=timeout,
@@ -148,11 +158,16 @@ class Tokenizer:
                 raise ValueError(f"/tokenize answered {status}")
             tokens = parse_tokens(jsoncodec.loads(raw))
         except (ProxyError, ValueError) as exc:
+            failure = exc if isinstance(exc, ProxyError) else BackendError(
+                str(exc), code="bad_tokenize_answer", stage=STAGE, instance=url)
             if url not in self._failing:
                 self._failing.add(url)
                 logger.warning("kv_aware: cannot tokenize on %s (%s); routing by prefix while "
                                "it cannot", url, getattr(exc, "message", None) or exc)
             return NO_TOKENS
+        finally:
+            if span is not None:
+                span.end(status, failure)
         if url in self._failing:
             self._failing.discard(url)
             logger.info("kv_aware: %s tokenizes again", url)

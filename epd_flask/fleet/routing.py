@@ -21,6 +21,7 @@ from epd_flask.control import policyspecs
 from epd_flask.control.roles import PREFILL
 from epd_flask.control.roster import Instance, Settings
 from epd_flask.core.errors import NoBackend
+from epd_flask.core.tracing import RequestTrace
 from epd_flask.fleet import policies
 from epd_flask.fleet.kvaware import Tokenizer
 from epd_flask.fleet.kvcache import CachePicture
@@ -157,10 +158,11 @@ class Router:
         return picked
 
     def with_tokens(self, request: RouteRequest, roles: Iterable[str], body: dict[str, Any],
-                    headers: dict[str, str] | None = None) -> RouteRequest:
+                    headers: dict[str, str] | None = None,
+                    trace: RequestTrace | None = None) -> RouteRequest:
         """``request`` with the prompt's token ids when a policy of ``roles`` would read them
         and some candidate could use them; asked once per request, on the candidate the
-        prompt's prefix ranks first."""
+        prompt's prefix ranks first (a span of the request's ``trace``)."""
         if request.tokens is not None or self.tokenizer is None:
             return request
         for role in roles:
@@ -175,5 +177,6 @@ class Router:
                 continue
             first = policies.rendezvous_order(request.prefix, candidates)[0] \
                 if request.prefix is not None else candidates[0]
-            return replace(request, tokens=self.tokenizer.tokens(body, first.instance, headers))
+            return replace(request, tokens=self.tokenizer.tokens(body, first.instance, headers,
+                                                                 trace))
         return request

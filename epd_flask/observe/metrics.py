@@ -30,7 +30,7 @@ from epd_flask.control.statedir import StateDir
 from epd_flask.core import events
 from epd_flask.core.events import FleetEntry
 from epd_flask.core.periodic import Periodic
-from epd_flask.observe import mpvalues
+from epd_flask.observe import mpvalues, tracing
 from epd_flask.serving.context import FIRST_BYTE, TOTAL, RequestContext
 
 logger = logging.getLogger(__name__)
@@ -156,6 +156,16 @@ REFUSED = Counter("epd_requests_refused_total", "Client requests refused before 
 # Series an alert takes increase() of exist from the start at 0: a counter that first appears
 # already at 1 shows no increase to Prometheus, and its first event would never alert.
 REFUSED.labels("overloaded")
+TRACING_SPANS_EXPORTED = Counter(
+    "epd_tracing_spans_exported_total", "Spans sent to the OTLP collector (tracing on).",
+    registry=_REGISTRY)
+TRACING_SPANS_DROPPED = Counter(
+    "epd_tracing_spans_dropped_total", "Spans lost on their way to the collector, by reason: "
+    "queue_full (the worker's queue, OTEL_BSP_MAX_QUEUE_SIZE, was full), export_failed (the "
+    "collector refused a batch or took none in time), shutdown (a stopping worker could not "
+    "send them).", ["reason"], registry=_REGISTRY)
+for _reason in tracing.DROP_REASONS:
+    TRACING_SPANS_DROPPED.labels(_reason)
 ENDED_BY_SHUTDOWN = Counter(
     "epd_requests_ended_by_shutdown_total", "Requests a stopping worker ended (with an "
     "in-band error, or a 503) because they outlived its grace period.", registry=_REGISTRY)
@@ -251,6 +261,7 @@ class MetricsObserver:
         events.refused.add_listener(self.refused)
         events.ended_by_shutdown.add_listener(self.ended_by_shutdown)
         events.discovery.add_listener(self.discovery)
+        events.tracing_spans.add_listener(self.tracing_spans)
 
     def upstream_opened(self, role: str, url: str) -> None:
         self._child(IN_FLIGHT, role, self.instance_label(url)).inc()
@@ -321,6 +332,12 @@ class MetricsObserver:
 
     def ended_by_shutdown(self, count: int) -> None:
         ENDED_BY_SHUTDOWN.inc(count)
+
+    def tracing_spans(self, reason: str | None, count: int) -> None:
+        if reason is None:
+            TRACING_SPANS_EXPORTED.inc(count)
+        else:
+            TRACING_SPANS_DROPPED.labels(reason).inc(count)
 
 
 OBSERVER = MetricsObserver()

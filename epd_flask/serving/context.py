@@ -23,6 +23,7 @@ from epd_flask.control.settings import LOG_FORMATS
 from epd_flask.core import events
 from epd_flask.core.errors import ProxyError
 from epd_flask.core.headers import new_upstream_id
+from epd_flask.core.tracing import CallTrace, RequestTrace
 from epd_flask.fleet.policies import Decision
 
 logger = logging.getLogger("epd_flask.requests")
@@ -63,11 +64,17 @@ class OpenLeg:
     status: int | None = None
     held: bool = False
     closed: bool = False
+    #: Its span while the request is traced: the call sends ``span.headers``.
+    span: CallTrace | None = None
 
     def hold(self) -> None:
         """The answer outlives the block (a stream the relay forwards): the leg stays open
         until the request finishes."""
         self.held = True
+
+    def first_byte(self) -> None:
+        if self.span is not None:
+            self.span.first_byte()
 
 
 @dataclass
@@ -101,6 +108,8 @@ class RequestContext:
     routing: list[str] = field(default_factory=list)
     # Told of every upstream call opened (+1) and closed (-1): the load routing reads.
     on_leg: Callable[[str, int], None] | None = field(default=None, repr=False)
+    #: The request's trace while tracing is on (docs/behaviour.md#tracing).
+    trace: RequestTrace | None = field(default=None, repr=False)
     _logged: bool = False
 
     @property
@@ -125,10 +134,14 @@ class RequestContext:
         log line names it, the metrics count it. Every choice of an instance reports here."""
         self.routing.append(decision.describe(role))
         events.routed.fire(role, decision.policy, decision.outcome, decision.instance.url)
+        if self.trace is not None:
+            self.trace.decided(role, decision.policy, decision.outcome, decision.instance.url)
 
     def retry(self, err: ProxyError) -> None:
         self.retries += 1
         events.retry.fire(err.stage or "unknown", err.code)
+        if self.trace is not None:
+            self.trace.retried(err.stage or "unknown", err.code)
 
     @contextmanager
     def leg(self, stage: str, role: str, url: str) -> Iterator[OpenLeg]:
@@ -137,6 +150,8 @@ class RequestContext:
         when the work is worth another instance this one is avoided by the next attempt; any
         other way out (the request killed, its client gone) closes it blaming nobody."""
         leg = OpenLeg(stage, role, url)
+        if self.trace is not None:
+            leg.span = self.trace.call(stage, role, url, self.attempt_id)
         self.legs.append(leg)
         if self.on_leg is not None:
             self.on_leg(url, 1)
@@ -164,6 +179,8 @@ class RequestContext:
         events.upstream_closed.fire(leg.role, leg.url)
         if error is not None:
             events.upstream_error.fire(leg.stage, leg.url, error.code)
+        if leg.span is not None:
+            leg.span.end(leg.status, error)
         if SETTINGS.upstream_calls:
             ms = round((time.monotonic() - leg.started) * 1000.0, 3)
             outcome = f"error={_logfmt_value(error.message)}" if error else f"status={leg.status}"
@@ -193,6 +210,8 @@ class RequestContext:
             if leg.status is None:
                 leg.status = self.status
             self._close(leg, error=blamed)
+        if self.trace is not None:
+            self.trace.finish(self, failure)
         if logger.isEnabledFor(logging.INFO):  # no formatting cost when nobody reads it
             logger.info("%s", self.log_line())
         events.request_finished.fire(self)
@@ -205,6 +224,8 @@ class RequestContext:
         v = _logfmt_value
         parts = [f"request_id={v(self.request_id)} upstream_id={v(self.upstream_id)} "
                  f"route={v(self.route)} status={v(self.status)}"]
+        if self.trace is not None:
+            parts.append(f"trace_id={self.trace.trace_id}")
         if self.model is not None:
             parts.append(f"model={v(self.model)}")
         for role, url in self.instances.items():
@@ -234,6 +255,8 @@ class RequestContext:
         }
         if self.model is not None:
             doc["model"] = self.model
+        if self.trace is not None:
+            doc["trace_id"] = self.trace.trace_id
         rate = self.chunks_per_second()
         if rate is not None:
             doc["chunks_per_s"] = rate

@@ -123,6 +123,8 @@ class Fanout:
                   else nullcontext(OpenLeg(ENCODE_STAGE, target.role, url)))
         try:
             with booked as leg:
+                if leg.span is not None:  # docs/behaviour.md#tracing
+                    headers.update(leg.span.headers)
                 resp = self.transport.send("POST", url + ENCODE_PATH, stage=ENCODE_STAGE,
                                            headers=headers, body=encode_json(call.body),
                                            read_timeout=timeout)

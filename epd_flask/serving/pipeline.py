@@ -40,7 +40,7 @@ from epd_flask.fleet.policies import Decision, Placement, RouteRequest
 from epd_flask.fleet.routing import Router
 from epd_flask.serving import fields, legs, relay, usage
 from epd_flask.serving.connectors import Connector, LegRequest, Route
-from epd_flask.serving.context import RequestContext
+from epd_flask.serving.context import OpenLeg, RequestContext
 from epd_flask.serving.encode_stage import EncodeStage, Staged
 from epd_flask.serving.fanout import Fanout
 from epd_flask.serving.legs import Call
@@ -124,7 +124,8 @@ class Pipeline:
         request = route_request(body, ctx.session, ctx.model)
         roles = (PREFILL_DECODE,) if view.combined else \
             (DECODE,) if self._skips_prefill(request) else (DECODE, PREFILL)
-        request = self.router.with_tokens(request, roles, body, ctx.upstream_headers)
+        request = self.router.with_tokens(request, roles, body, ctx.upstream_headers,
+                                          trace=ctx.trace)
         ctx.on_leg = partial(self.registry.track, tokens=request.prompt_tokens)
         attempts = view.settings.decode_retries + 1
         for attempt in range(attempts):
@@ -166,7 +167,7 @@ class Pipeline:
             headers["Content-Type"] = content_type
         url = target.url + upstream_path(path) + (f"?{query}" if query else "")
         with ctx.leg("decode", target.role, target.url) as call:
-            resp = self._send(target, "decode", method, url, headers=headers, body=body,
+            resp = self._send(target, "decode", method, url, call, headers=headers, body=body,
                               **self._decode_timeouts(stream=True))
             call.status = resp.status_code
             if 300 <= resp.status_code < 400:
@@ -269,7 +270,7 @@ class Pipeline:
         started = time.monotonic()
         try:
             with ctx.leg("prefill", target.role, target.url) as call:
-                resp = self._post(target, "prefill", path, leg, ctx,
+                resp = self._post(target, "prefill", path, leg, ctx, call,
                                   self.live.settings.prefill_timeout)
                 call.status = resp.status_code
                 self.transport.raise_for_status(resp, "prefill")
@@ -289,6 +290,8 @@ class Pipeline:
         counted = usage.prefill_tokens(answer)
         if counted is not None:
             events.prefill_tokens.fire(target.url, *counted)
+            if ctx.trace is not None:
+                ctx.trace.prefill_usage(*counted)
         return answer
 
     # -- prefill and decode at once (mooncake) ----------------------------------------------
@@ -342,7 +345,8 @@ class Pipeline:
         started = time.monotonic()
         stream = fields.streams(leg.body)
         with ctx.leg("decode", target.role, target.url) as call:
-            resp = self._post(target, "decode", path, leg, ctx, **self._decode_timeouts(stream))
+            resp = self._post(target, "decode", path, leg, ctx, call,
+                              **self._decode_timeouts(stream))
             call.status = resp.status_code
             try:
                 self.transport.raise_for_status(resp, "decode")
@@ -350,6 +354,7 @@ class Pipeline:
                 chunks = self.transport.iter_raw(resp, "decode")
                 first = next(chunks, b"")
                 ctx.mark("decode_first_byte", started)
+                call.first_byte()
                 if not stream:
                     data = first + b"".join(chunks)
             except BaseException:
@@ -382,6 +387,8 @@ class Pipeline:
                 self.transport, resp, ctx, chunks=opened.chunks, side=side))
         data = opened.data or b""
         relay.end_side_leg(side, completed=True)
+        if ctx.trace is not None:
+            ctx.trace.answer_usage(data)
         if cached_tokens and resp.status_code == 200:
             data = usage.rewrite_body(data, cached_tokens)
         ctx.bytes_out = len(data)
@@ -397,22 +404,25 @@ class Pipeline:
                 "total_timeout": settings.decode_total_timeout or None}
 
     def _post(self, target: Instance, stage: str, path: str, leg: LegRequest,
-              ctx: RequestContext, read_timeout: float | None,
+              ctx: RequestContext, call: OpenLeg, read_timeout: float | None,
               chunk_timeout: float | None = None,
               total_timeout: float | None = None) -> Upstream:
         headers = dict(ctx.upstream_headers)
         headers[REQUEST_ID_HEADER] = ctx.attempt_id
         headers.update(leg.headers)
         headers["Content-Type"] = "application/json"
-        return self._send(target, stage, "POST", target.url + path, headers=headers,
+        return self._send(target, stage, "POST", target.url + path, call, headers=headers,
                           body=encode_json(leg.body), read_timeout=read_timeout,
                           chunk_timeout=chunk_timeout, total_timeout=total_timeout)
 
-    def _send(self, target: Instance, stage: str, method: str, url: str, *,
+    def _send(self, target: Instance, stage: str, method: str, url: str, call: OpenLeg, *,
               headers: dict[str, str], body: bytes | None, read_timeout: float | None,
               chunk_timeout: float | None = None,
               total_timeout: float | None = None) -> Upstream:
-        """One upstream call; the caller's ``ctx.leg`` block books it."""
+        """One upstream call; the caller's ``ctx.leg`` block books it (``call``), and while
+        the request is traced the call names its span (docs/behaviour.md#tracing)."""
+        if call.span is not None:
+            headers.update(call.span.headers)
         try:
             return self.transport.send(method, url, stage=stage, headers=headers, body=body,
                                        read_timeout=read_timeout, chunk_timeout=chunk_timeout,

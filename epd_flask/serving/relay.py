@@ -26,7 +26,8 @@ import gevent
 
 from epd_flask.control.settings import default
 from epd_flask.core import errors
-from epd_flask.core.errors import EventTooLarge, ProxyError
+from epd_flask.core.errors import ClientDisconnected, EventTooLarge, ProxyError
+from epd_flask.core.tracing import RequestTrace
 from epd_flask.serving.context import RequestContext
 from epd_flask.serving.legs import Call
 from epd_flask.serving.usage import USAGE_KEY
@@ -35,6 +36,7 @@ from epd_flask.upstream.transport import Transport, Upstream
 logger = logging.getLogger(__name__)
 
 EVENT_END = b"\n\n"
+CLIENT_LEFT = "client disconnected"
 #: How long a side leg may still take once decode's answer is complete.
 SIDE_LEG_GRACE = 2.0
 
@@ -93,6 +95,8 @@ class Relayed:
         self._resp = resp
         self._ctx = ctx
         self._side = side
+        if ctx.trace is not None:
+            ctx.trace.relaying()
 
     def __iter__(self) -> Iterator[bytes]:
         return self._body
@@ -104,7 +108,7 @@ class Relayed:
             # All no-ops when the generator already ran its own cleanup.
             self._resp.close()
             end_side_leg(self._side, False)
-            self._ctx.finish(error="client disconnected")
+            self._ctx.finish(error=ClientDisconnected(CLIENT_LEFT))
 
 
 def sse(transport: Transport, resp: Upstream, ctx: RequestContext,
@@ -116,8 +120,20 @@ def sse(transport: Transport, resp: Upstream, ctx: RequestContext,
     events that carry a usage object (the only ones it is called for), ``side`` is a leg that
     must end with this stream. An event longer than ``max_event`` bytes ends the stream with
     an in-band error and closes the upstream: relaying it would mean holding it whole."""
+    if ctx.trace is not None and ctx.trace.recording:
+        rewrite = _noting_usage(ctx.trace, rewrite)
     return Relayed(_sse(transport, resp, ctx, stage, chunks, rewrite, side, max_event),
                    resp, ctx, side)
+
+
+def _noting_usage(trace: RequestTrace, rewrite: Callable[[bytes], bytes] | None,
+                  ) -> Callable[[bytes], bytes]:
+    """``rewrite``, telling the request's trace of the usage it passes on
+    (docs/behaviour.md#tracing)."""
+    def note(events: bytes) -> bytes:
+        trace.answer_usage(events)
+        return events if rewrite is None else rewrite(events)
+    return note
 
 
 def raw(transport: Transport, resp: Upstream, ctx: RequestContext,
@@ -187,7 +203,7 @@ def _sse(transport: Transport, resp: Upstream, ctx: RequestContext, stage: str,
         ctx.finish(error=err)
         yield errors.sse_event(err)
     except GeneratorExit:
-        ctx.finish(error="client disconnected")
+        ctx.finish(error=ClientDisconnected(CLIENT_LEFT))
         raise
     finally:
         watch.close()
@@ -217,7 +233,7 @@ def _raw(transport: Transport, resp: Upstream, ctx: RequestContext, stage: str,
         ctx.finish(error=err)
         raise
     except GeneratorExit:
-        ctx.finish(error="client disconnected")
+        ctx.finish(error=ClientDisconnected(CLIENT_LEFT))
         raise
     finally:
         watch.close()

@@ -70,6 +70,35 @@ def prefill_tokens(reply: dict[str, Any]) -> tuple[int, int] | None:
         return None
 
 
+_OBJECT = json.JSONDecoder()
+
+
+def last_usage(data: bytes) -> tuple[int | None, int | None, int | None] | None:
+    """(prompt, completion, cached prompt tokens) of the last usage object in ``data`` (a
+    JSON completion body, or whole SSE events), each None when absent; None when there is
+    no readable one. Decodes that object alone: the answer around it may be large."""
+    at = data.rfind(USAGE_KEY)
+    if at < 0:
+        return None
+    try:
+        text = data[at + len(USAGE_KEY):].decode("utf-8").lstrip()
+        if not text.startswith(":"):
+            return None
+        usage, _ = _OBJECT.raw_decode(text[1:].lstrip())
+    except ValueError:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        return None
+    if not isinstance(usage, dict):
+        return None
+    details = usage.get("prompt_tokens_details")
+    return (_count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens")),
+            _count(details.get("cached_tokens")) if isinstance(details, dict) else None)
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 \
+        else None
+
+
 def set_cached_tokens(doc: Any, cached: int) -> bool:
     """Write ``cached`` into ``doc["usage"]["prompt_tokens_details"]``; False if no usage."""
     if not isinstance(doc, dict):

@@ -36,13 +36,18 @@ ADMIN_PATH = "/instances"
 def _context(req: Request, svc: Services) -> RequestContext:
     rid = request_id(req.headers.get(REQUEST_ID_HEADER))
     uid = new_upstream_id()
-    headers = upstream_headers(req.headers.items(), uid, svc.config.backend_api_key)
+    # Traced, every upstream call names its own span instead of the client's
+    # (docs/behaviour.md#tracing).
+    trace = svc.tracing.begin(req.headers, req.method, req.path, rid, uid) \
+        if svc.tracing is not None else None
+    headers = upstream_headers(req.headers.items(), uid, svc.config.backend_api_key,
+                               client_trace=trace is None)
     if (svc.keys.enabled and not svc.config.backend_api_key) \
             or edge.is_key(headers.get("Authorization"), svc.config.admin_api_key):
         # The client's bearer was our serving key, or the admin key sent to the wrong path:
         # either stays at the edge.
         headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
-    ctx = RequestContext(rid, req.path, headers, upstream_id=uid)
+    ctx = RequestContext(rid, req.path, headers, upstream_id=uid, trace=trace)
     ctx.client_gone = client_watch(req.environ)
     session_header = svc.live.settings.session_header
     if session_header:
@@ -128,7 +133,7 @@ def _accounted(ctx: RequestContext) -> Iterator[None]:
     try:
         yield
     except ProxyError as err:
-        ctx.finish(status=err.status, error=err.message)
+        ctx.finish(status=err.status, error=err)
         err.request_id = ctx.request_id
         raise
     except HTTPException as exc:  # werkzeug's own refusals (413 ...) are requests too

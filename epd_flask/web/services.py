@@ -23,6 +23,7 @@ from epd_flask.fleet.rostersync import RosterSync
 from epd_flask.fleet.routing import Router
 from epd_flask.fleet.sources import Source
 from epd_flask.observe import metrics
+from epd_flask.observe.tracing import Tracing
 from epd_flask.serving.pipeline import Pipeline
 from epd_flask.upstream.transport import Transport
 from epd_flask.web.edge import KeyRing
@@ -50,6 +51,8 @@ class Services:
     kv_events: KVEvents | None = None
     #: Membership sources besides the file (fleet/sources), by name.
     sources: dict[str, Source] = field(default_factory=dict)
+    #: None while tracing is off (docs/behaviour.md#tracing).
+    tracing: Tracing | None = None
 
     @property
     def registry(self) -> Registry:
@@ -74,6 +77,8 @@ class Services:
             self.kv_events.start()
         for source in self.sources.values():
             source.start()
+        if self.tracing is not None:
+            self.tracing.start()
 
     def stop(self) -> None:
         self.drain.stop()
@@ -86,6 +91,8 @@ class Services:
         if self.kv_events is not None:
             self.kv_events.stop()
         self.roster_sync.stop()
+        if self.tracing is not None:
+            self.tracing.stop()
         self.transport.close()
 
 

@@ -3,7 +3,8 @@
 One fleet (an encoder, a prefill, two decodes) and a proxy go through what an operator would
 watch for: multimodal and streamed requests, a retried decode failure, a probe failure that
 evicts an instance and its rejoin, admin changes applied and refused, a request refused at the
-in-flight cap, and a stream ended by a stopping worker. ``/metrics`` is scraped over HTTP
+in-flight cap, a stream ended by a stopping worker, and spans traced to a collector and
+lost to one that is gone. ``/metrics`` is scraped over HTTP
 after each step; a documented metric whose series never changed between two scrapes fails the
 test, and so does a documented name the exposition does not know. A metric added to the README
 without anything that moves it fails here until a step does.
@@ -21,6 +22,7 @@ import yaml
 from tests import rosters
 from tests.bodies import chat, image
 from tests.helpers import RawStream, Samples, eventually, free_port, scrape
+from tests.otlp import Receiver
 from tests.unit.test_kvaware import Publisher, publish_until_ready
 
 README = Path(__file__).parents[2] / "README.md"
@@ -53,7 +55,7 @@ def moved(before: Samples, after: Samples) -> set[str]:
             if before.get((name, labels)) != value}
 
 
-def test_every_documented_metric_moves(sim, proxy, tmp_path: Path) -> None:
+def test_every_documented_metric_moves(sim, proxy, tmp_path: Path, monkeypatch) -> None:
     names = documented()
     assert len(names) >= 20, names  # the table was found
     e, p = sim("encode"), sim("prefill")
@@ -141,6 +143,20 @@ def test_every_documented_metric_moves(sim, proxy, tmp_path: Path) -> None:
     # The per-worker cap is a setting: another worker (app) with another cap reports it.
     other = proxy(doc, max_in_flight=3)
     assert requests.post(other.url + "/v1/chat/completions", json=CHAT, timeout=10).ok
+    step()
+    # Tracing: spans sent to a collector, and spans lost to one that is gone.
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "0.5")
+    collector, gone = Receiver().start(), Receiver().start()
+    gone.stop()
+    try:
+        for url in (collector.url, gone.url):
+            traced = proxy(doc, otel_exporter_otlp_traces_endpoint=url)
+            traced.services.tracing.start()
+            assert requests.post(traced.url + "/v1/chat/completions", json=CHAT,
+                                 timeout=10).ok
+            traced.services.tracing.flush(10)
+    finally:
+        collector.stop()
     step()
 
     known = {family(name) for name, _ in last}

@@ -24,7 +24,7 @@ def _hooks() -> dict[str, EventHook]:
 
 def test_every_hook_knows_its_name_and_the_metrics_listen_to_each() -> None:
     hooks = _hooks()
-    assert len(hooks) == 18
+    assert len(hooks) == 19
     assert all(h.name == name for name, h in hooks.items())
     OBSERVER.listen()
     for name, hook in hooks.items():

@@ -12,7 +12,14 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from epd_flask.serving.context import RequestContext
+from epd_flask.serving.context import RequestContext, configure
+
+
+class Traced:
+    """What the line reads of a request's trace (docs/behaviour.md#tracing)."""
+
+    def __init__(self, trace_id: str) -> None:
+        self.trace_id = trace_id
 
 
 def reference_value(value: object) -> str:
@@ -26,6 +33,8 @@ def reference_line(ctx: RequestContext) -> str:
     fields: list[tuple[str, object]] = [
         ("request_id", ctx.request_id), ("upstream_id", ctx.upstream_id),
         ("route", ctx.route), ("status", ctx.status)]
+    if ctx.trace is not None:
+        fields.append(("trace_id", ctx.trace.trace_id))
     if ctx.model is not None:
         fields.append(("model", ctx.model))
     fields += list(ctx.instances.items())
@@ -55,13 +64,15 @@ TIMINGS = st.dictionaries(st.sampled_from(["encode", "rewrite", "prefill", "deco
            st.sampled_from(["encode", "prefill", "decode"]), ODD, max_size=3),
        routing=st.lists(ODD, max_size=3), timings=TIMINGS, retries=st.integers(0, 5),
        chunks=st.integers(0, 10**6), nbytes=st.integers(0, 10**9),
-       error=st.one_of(st.none(), ODD))
+       error=st.one_of(st.none(), ODD),
+       trace_id=st.one_of(st.none(), st.text("0123456789abcdef", min_size=32, max_size=32)))
 def test_the_line_is_the_reference_line(rid: str, route: str, status: int | None,
                                         model: str | None, instances: dict[str, str],
                                         routing: list[str], timings: dict[str, float],
                                         retries: int, chunks: int, nbytes: int,
-                                        error: str | None) -> None:
-    ctx = RequestContext(rid, route, {}, upstream_id="0123456789abcdef")
+                                        error: str | None, trace_id: str | None) -> None:
+    ctx = RequestContext(rid, route, {}, upstream_id="0123456789abcdef",
+                         trace=None if trace_id is None else Traced(trace_id))
     ctx.status, ctx.model, ctx.error = status, model, error
     ctx.instances.update(instances)
     ctx.routing.extend(routing)
@@ -77,3 +88,15 @@ def test_repeated_decisions_are_written_once_with_their_count() -> None:
                                                                "prefill:prefix(hit)"])
     assert ("routing=encode:round_robin(rotation)x8,decode:prefix(hit),prefill:prefix(hit) "
             in ctx.log_line())
+
+
+def test_the_json_line_carries_the_trace_id_of_a_traced_request() -> None:
+    traced = RequestContext("r", "/v1/chat/completions", {}, upstream_id="u",
+                            trace=Traced("0af7651916cd43dd8448eb211c80319c"))
+    plain = RequestContext("r", "/v1/chat/completions", {}, upstream_id="u")
+    configure("json")
+    try:
+        assert json.loads(traced.log_line())["trace_id"] == "0af7651916cd43dd8448eb211c80319c"
+        assert "trace_id" not in json.loads(plain.log_line())
+    finally:
+        configure()

@@ -1,0 +1,123 @@
+"""Finished spans on their way to the collector: a bounded queue and one export greenlet per
+worker (docs/behaviour.md#tracing).
+
+A request never waits for the collector: ending a span appends it to the queue or, when the
+queue is full, drops it and counts the drop. The greenlet posts batches through the SDK's
+OTLP/HTTP exporter (``requests`` on gevent's sockets), whenever a batch is full or the
+schedule delay passes; a collector that is down or slow holds only this greenlet, for at most
+the exporter's own timeout per batch (``OTEL_EXPORTER_OTLP_TIMEOUT``), while the queue fills
+and then drops. The SDK's own ``BatchSpanProcessor`` would do the same with a thread (a
+greenlet, once gevent patched ``threading``) but reports its drops only through an
+OpenTelemetry meter; this one reports them to the proxy's metrics
+(``epd_tracing_spans_dropped_total``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import gevent
+from gevent.event import Event
+from gevent.lock import BoundedSemaphore
+from opentelemetry.context import Context
+from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+from epd_flask.observe.tracing import EXPORT_FAILED, QUEUE_FULL, SHUTDOWN
+
+logger = logging.getLogger(__name__)
+
+#: How long a stopping worker spends sending what is left.
+SHUTDOWN_FLUSH_SECONDS = 3.0
+
+#: Told of spans exported (``reason`` None) or lost (its reason): (reason, count).
+Report = Callable[[str | None, int], None]
+
+
+class SpanQueue(SpanProcessor):
+    """The span processor of one worker's tracer."""
+
+    def __init__(self, exporter: SpanExporter, *, max_queue: int, batch: int, delay: float,
+                 report: Report) -> None:
+        self._exporter = exporter
+        self._max_queue = max_queue
+        self._batch = batch
+        self._delay = delay
+        self._report = report
+        self._queue: deque[ReadableSpan] = deque()
+        self._wake = Event()
+        self._exporting = BoundedSemaphore(1)
+        self._greenlet: gevent.Greenlet | None = None
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def on_start(self, span: Span, parent_context: Context | None = None) -> None:
+        return None
+
+    def on_end(self, span: ReadableSpan) -> None:
+        context = span.context
+        if context is None or not context.trace_flags.sampled:
+            return
+        queue = self._queue
+        if len(queue) >= self._max_queue:
+            self._report(QUEUE_FULL, 1)
+            return
+        queue.append(span)
+        if len(queue) >= self._batch:
+            self._wake.set()
+
+    def start(self) -> None:
+        if self._greenlet is None:
+            self._greenlet = gevent.spawn(self._run)
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(self._delay)
+            self._wake.clear()
+            try:
+                self._export_all()
+            except Exception:  # the loop must outlive any one bad batch
+                logger.exception("tracing: exporting spans failed")
+
+    def _export_all(self) -> None:
+        with self._exporting:
+            while self._queue:
+                count = min(self._batch, len(self._queue))
+                self._export([self._queue.popleft() for _ in range(count)])
+
+    def _export(self, batch: Sequence[ReadableSpan]) -> None:
+        """One batch; cut short (a flush's deadline, the worker stopping), it counts as
+        failed."""
+        result = SpanExportResult.FAILURE
+        try:
+            result = self._exporter.export(batch)
+        except Exception:
+            logger.exception("tracing: the exporter failed")
+        finally:
+            self._report(None if result is SpanExportResult.SUCCESS else EXPORT_FAILED,
+                         len(batch))
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        """Send every queued span now; False if that took longer than ``timeout_millis``
+        (what is left is sent later)."""
+        try:
+            with gevent.Timeout(timeout_millis / 1000.0):
+                self._export_all()
+        except gevent.Timeout:
+            return False
+        return True
+
+    def shutdown(self) -> None:
+        """Stop exporting: what can go within ``SHUTDOWN_FLUSH_SECONDS`` goes, the rest is
+        counted as lost."""
+        if self._greenlet is not None:
+            self._greenlet.kill(block=True, timeout=1.0)
+            self._greenlet = None
+        self.force_flush(int(SHUTDOWN_FLUSH_SECONDS * 1000))
+        if self._queue:
+            self._report(SHUTDOWN, len(self._queue))
+            self._queue.clear()
+        self._exporter.shutdown()
