@@ -22,6 +22,12 @@ EPD_PROXY_PEER_LIBS ?= fastapi==0.165.0 uvicorn==0.54.0 aiohttp==3.14.5 uvloop==
 # here by hand (docs/benchmarks.md says from which commit); without it the bench skips that peer.
 EPD_PROXY_COPY ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/epd-flask/peers/disagg_epd_proxy.py
 BENCH_ARGS ?=
+# bench-fleet's production trace (Mooncake's format; default: tests/bench/traces' copy), its
+# speed-up, how many of its first requests to replay, and where to write its rows as JSON.
+TRACE ?=
+TRACE_SPEED ?=
+TRACE_LIMIT ?=
+BENCH_JSON ?=
 # The real-vLLM tier keeps its ~4 GB venv, tiny models, logs and pid files out of the tree.
 VLLM_HOME ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/epd-flask/vllm
 VLLM_TIMEOUT ?= 1800
@@ -89,10 +95,14 @@ bench: $(STAMP) $(BENCH_VENV)/.installed
 	    --epd-proxy $(EPD_PROXY_COPY) --epd-proxy-python $(BENCH_VENV)/bin/python $(BENCH_ARGS)
 
 ## bench-fleet: routing policies on a simulated 4 prefill + 4 decode fleet with a cost model,
-## epd-flask's policies vs vllm-router's, light and at 80 % of prefill capacity; writes
-## docs/benchmarks.md (~11 minutes; BENCH_ARGS=--short: ~4, writes none)
+## epd-flask's policies vs vllm-router's, light and at 80 % of prefill capacity, and a production
+## trace (TRACE, TRACE_SPEED, TRACE_LIMIT; BENCH_JSON=path writes its rows); writes
+## docs/benchmarks.md (~18 minutes; BENCH_ARGS=--short: ~4, writes none)
 bench-fleet: $(STAMP) $(BENCH_VENV)/.installed
-	$(BIN)/python tests/bench/fleet.py --router $(BENCH_VENV)/bin/vllm-router $(BENCH_ARGS)
+	$(BIN)/python tests/bench/fleet.py --router $(BENCH_VENV)/bin/vllm-router \
+	    $(if $(TRACE),--trace $(TRACE)) $(if $(TRACE_SPEED),--trace-speed $(TRACE_SPEED)) \
+	    $(if $(TRACE_LIMIT),--trace-limit $(TRACE_LIMIT)) \
+	    $(if $(BENCH_JSON),--bench-json $(BENCH_JSON)) $(BENCH_ARGS)
 
 ## bench-micro: the hot path's pieces in one process each (the proxy's own work per request,
 ## one upstream call, one relayed event), kv_aware's memory per block and the fleet model's

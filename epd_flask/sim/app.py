@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 #: Longest an injected hang or a dying engine's request is held open, client or not.
 HANG_CAP_SECONDS = 600.0
 #: What a proxy's prober reads every round: counted, but kept out of the request record.
-PROBED_PATHS = ("/health", "/v1/models")
+PROBED_PATHS = ("/health", "/v1/models", "/metrics")
 RECORDED_RAW_BODY_CHARS = 2048
 DP_RANK_HEADER = "HTTP_X_DATA_PARALLEL_RANK"
 
@@ -183,6 +183,16 @@ class SimApp:
             "count": len(ids), "max_model_len": cfg.max_model_len, "tokens": ids,
             "token_strs": textgen.token_strs(prompt) if want_strs else None})
 
+    def metrics(self, environ: dict[str, Any], start_response: StartResponse) -> WSGIResult:
+        """vLLM's ``GET /metrics``, its scheduler gauges only: what a router reads to see the
+        engine's queue (docs/behaviour.md#routing-policies)."""
+        self._note(environ, "/metrics", None)
+        body = wire.engine_metrics(self.state.config.model, [self.state.engine_gauges()])
+        start_response(status_line(200), [
+            ("content-type", "text/plain; version=0.0.4; charset=utf-8"),
+            ("content-length", str(len(body)))])
+        return [body]
+
     def kv_event_sources(self, environ: dict[str, Any],
                          start_response: StartResponse) -> WSGIResult:
         """vLLM's ``GET /kv_event_sources``: where each DP rank publishes its KV events ({}
@@ -306,8 +316,10 @@ class SimApp:
             computed = max(0, answer.prompt_tokens - answer.cached_tokens)
         ttft = cfg.ttft + engine.prefill(computed, cfg.prefill_tokens_per_s, now) + step
         steps = max((len(p) for p in answer.pieces), default=0)
+        end = now + ttft + step * max(steps - 1, 0)
         if steps > 1:
-            engine.stream_until(now + ttft + step * (steps - 1))
+            engine.stream_until(end)
+        engine.hold(-(-(answer.prompt_tokens + steps) // cfg.block_size), end)
         return ttft, step
 
     def _pulled(self, outcome: str, sock: Any | None,
@@ -388,6 +400,7 @@ ROUTES: dict[str, dict[str, Handler]] = {
     validate.CHAT_PATH: {"POST": SimApp.completion},
     validate.TOKENIZE_PATH: {"POST": SimApp.tokenize},
     "/kv_event_sources": {"GET": SimApp.kv_event_sources},
+    "/metrics": {"GET": SimApp.metrics},
     "/start_profile": {"POST": SimApp.profile},
     "/stop_profile": {"POST": SimApp.profile},
     "/sim/stats": {"GET": SimApp.sim},

@@ -15,6 +15,9 @@ With ``prefill_tokens_per_s`` > 0 the server behaves like one vLLM engine under 
   is one decode step.
 ``kv_cache_blocks`` bounds each server's prefix cache (blocks of ``block_size`` tokens, LRU
 eviction).
+The clock also answers what vLLM's scheduler gauges say (``/metrics``): the prefills queued
+and not started (``num_requests_waiting``) and the blocks the requests in flight hold until
+they end (``kv_cache_usage_perc``).
 Realistic figures and their sources are in docs/benchmarks.md.
 """
 
@@ -30,6 +33,8 @@ class EngineClock:
     def __init__(self) -> None:
         self.busy_until = 0.0
         self._stream_ends: list[float] = []
+        self._starts: list[float] = []  # when each queued prefill starts computing, sorted
+        self._held: list[tuple[float, int]] = []  # (until, blocks) of requests in flight
 
     def prefill(self, tokens: int, rate: float, now: float | None = None) -> float:
         """Seconds until a prefill of ``tokens`` uncached tokens, queued now, is done."""
@@ -37,8 +42,31 @@ class EngineClock:
             return 0.0
         now = time.monotonic() if now is None else now
         start = max(now, self.busy_until)
+        if start > now:
+            bisect.insort(self._starts, start)
         self.busy_until = start + tokens / rate
         return self.busy_until - now
+
+    def backlog(self, now: float | None = None) -> float:
+        """Seconds of prefill work queued ahead of a prefill arriving now."""
+        now = time.monotonic() if now is None else now
+        return max(0.0, self.busy_until - now)
+
+    def waiting(self, now: float | None = None) -> int:
+        """Prefills queued that have not started computing."""
+        now = time.monotonic() if now is None else now
+        del self._starts[:bisect.bisect_right(self._starts, now)]
+        return len(self._starts)
+
+    def hold(self, blocks: int, until: float) -> None:
+        """A request holds ``blocks`` of KV cache until ``until``."""
+        if blocks > 0:
+            bisect.insort(self._held, (until, blocks))
+
+    def blocks_held(self, now: float | None = None) -> int:
+        now = time.monotonic() if now is None else now
+        del self._held[:bisect.bisect_right(self._held, (now, 1 << 62))]
+        return sum(blocks for _, blocks in self._held)
 
     def running(self, now: float | None = None) -> int:
         now = time.monotonic() if now is None else now
@@ -55,3 +83,5 @@ class EngineClock:
     def reset(self) -> None:
         self.busy_until = 0.0
         self._stream_ends.clear()
+        self._starts.clear()
+        self._held.clear()

@@ -67,8 +67,11 @@ class PrefixCache:
         As in vLLM, the last token is always computed, so a fully cached prompt reports one
         block less.
         """
+        return self.insert_hashes(block_hashes(token_ids, self.block_size), token_ids)
+
+    def insert_hashes(self, hashes: list[int], token_ids: list[int]) -> int:
+        """``insert`` for a prompt whose block hashes are already known."""
         size = self.block_size
-        hashes = block_hashes(token_ids, size)
         blocks = self._blocks
         hits = 0
         while hits < len(hashes) and hashes[hits] in blocks:
@@ -83,6 +86,15 @@ class PrefixCache:
         self._evict()
         cached = hits * size
         return min(cached, ((len(token_ids) - 1) // size) * size)
+
+    def held(self, hashes: list[int]) -> int:
+        """How many of ``hashes`` (a prompt's blocks), from the first, are cached; the order of
+        eviction is left as it was."""
+        blocks = self._blocks
+        count = 0
+        while count < len(hashes) and hashes[count] in blocks:
+            count += 1
+        return count
 
     def _record_stored(self, hashes: list[int], token_ids: list[int],
                        blocks: OrderedDict[int, None]) -> None:

@@ -221,6 +221,16 @@ class SimState:
 
     # -- used by the app --------------------------------------------------------------------
 
+    def engine_gauges(self, now: float | None = None) -> tuple[int, int, float]:
+        """What vLLM's scheduler would report now: (requests running, requests waiting, KV
+        cache usage from 0 to 1). Waiting are the prefills the cost model has queued and not
+        started; every other completion in flight runs; usage counts the blocks the requests
+        in flight hold (the cost model's, 0 without it)."""
+        waiting = self.engine.waiting(now)
+        running = max(0, self._counters["in_flight"] - waiting)
+        usage = min(1.0, self.engine.blocks_held(now) / max(1, self.config.kv_cache_blocks))
+        return running, waiting, usage
+
     @property
     def healthy(self) -> bool:
         return not (self.faults["health_fail"] or self.engine_dead)

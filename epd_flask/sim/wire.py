@@ -206,3 +206,27 @@ def bootstrap_query(rank_engine_ids: list[str], worker_ports: list[int]) -> dict
         for rank, (engine_id, port) in enumerate(
             zip(rank_engine_ids, worker_ports, strict=True))
     }
+
+
+#: The scheduler gauges of vLLM 0.32's ``/metrics`` the sim exports, with their help text
+#: (vllm/v1/metrics/loggers.py, PrometheusStatLogger): labelled ``model_name`` and
+#: ``engine`` in that order, one series per engine (DP rank).
+ENGINE_GAUGES = (
+    ("vllm:num_requests_running", "Number of requests in model execution batches."),
+    ("vllm:num_requests_waiting", "Number of requests waiting to be processed."),
+    ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."),
+)
+
+
+def engine_metrics(model: str, engines: list[tuple[int, int, float]]) -> bytes:
+    """Prometheus text of ``ENGINE_GAUGES`` as prometheus_client writes it, from each engine's
+    (running, waiting, kv cache usage from 0 to 1)."""
+    lines = []
+    label = json.dumps(model)
+    for index, (name, doc) in enumerate(ENGINE_GAUGES):
+        lines.append(f"# HELP {name} {doc}")
+        lines.append(f"# TYPE {name} gauge")
+        for engine, values in enumerate(engines):
+            lines.append(f'{name}{{model_name={label},engine="{engine}"}} '
+                         f"{float(values[index])!r}")
+    return ("\n".join(lines) + "\n").encode("utf-8")

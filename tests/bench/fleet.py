@@ -39,6 +39,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import chattrace
+import mooncaketrace
 import report
 from run import (
     BIN,
@@ -259,9 +260,12 @@ def loaded_figures(figures: dict[str, Any], computed: int, duration: float,
     return {**figures, "prefill_tokens_per_s": round(rate, 1)}
 
 
-def replay(urls: list[str], trace: list[dict[str, Any]], timeout: float) -> dict[str, Any]:
+def replay(urls: list[str], trace: list[dict[str, Any]], timeout: float,
+           extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The client's results for ``trace`` sent to ``urls`` (replay.py; ``extra`` adds to its
+    spec)."""
     spec = {"urls": urls, "trace": trace, "timeout": timeout,
-            "deadline": trace[-1]["t"] + 1.0 if trace else 0}
+            "deadline": trace[-1]["t"] + 1.0 if trace else 0, **(extra or {})}
     proc = subprocess.run([sys.executable, str(REPLAY)], input=json.dumps(spec).encode(),
                           capture_output=True, timeout=trace[-1]["t"] + timeout + 60)
     if proc.returncode != 0:
@@ -554,12 +558,23 @@ def run_scenario(scenario: Scenario, args: argparse.Namespace, workdir: Path,
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The run's options; ``report`` is where its blocks go ('' for nowhere)."""
+    import tracereplay  # it imports this module, so not at the top
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--router", default="", help="vllm-router executable (bench venv)")
     p.add_argument("--short", action="store_true",
                    help="short traces for a quick check (~4 minutes); writes no report "
                         "unless --report is given")
-    p.add_argument("--scenario", default="light,loaded", help="comma-separated: light, loaded")
+    p.add_argument("--scenario", default="light,loaded,trace",
+                   help="comma-separated: light, loaded, trace")
+    p.add_argument("--trace", default=str(mooncaketrace.DEFAULT),
+                   help="the trace scenario's file, Mooncake's format (default: the one in "
+                        "tests/bench/traces)")
+    p.add_argument("--trace-speed", type=float, default=tracereplay.SPEED,
+                   help="the trace's arrival times are divided by this")
+    p.add_argument("--trace-limit", type=int, default=tracereplay.LIMIT,
+                   help="replay the trace's first N requests (0: all)")
+    p.add_argument("--bench-json", default="",
+                   help="write the trace scenario's rows here as a JSON list")
     p.add_argument("--duration", type=float, default=0.0,
                    help="trace length, seconds (default: the scenario's)")
     p.add_argument("--rate", type=float, default=0.0,
@@ -573,8 +588,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "--duration, --rate or --seed make it a partial one; '' for none)")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
+    args.trace = str(Path(args.trace).resolve())
+    if args.short and args.trace_limit == p.get_default("trace_limit"):
+        args.trace_limit = tracereplay.SHORT_LIMIT
     partial = bool(args.short or args.only or args.duration or args.rate
-                   or args.seed != p.get_default("seed"))
+                   or args.seed != p.get_default("seed")
+                   or any(getattr(args, k) != p.get_default(k)
+                          for k in ("trace", "trace_speed", "trace_limit")))
     if args.report is None:
         args.report = "" if partial else str(report.PAGE)
         if partial:
@@ -586,11 +606,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import tracereplay  # it imports this module, so not at the top
+
     args = parse_args(argv)
     wanted = args.scenario.split(",")
     chosen_scenarios = [sc for sc in scenarios(args.short) if sc.name in wanted]
     chosen_scenarios = [Scenario(sc.name, args.duration or sc.duration, args.rate or sc.rate,
                                  sc.utilisation) for sc in chosen_scenarios]
+    with_trace = "trace" in wanted
     include_router = bool(args.router and Path(args.router).exists())
     if not include_router:
         print("vllm-router not found (make bench-fleet installs it); running without it",
@@ -611,7 +634,7 @@ def main(argv: list[str] | None = None) -> int:
             return [sims_fleet.sim(role, "--prompt-tokens-details", "--max-model-len",
                                    str(MAX_MODEL_LEN), *extra)[0] for _ in range(INSTANCES)]
         fleet = {"prefill": sims("prefill"), "decode": sims("decode"),
-                 "prefill_decode": sims("prefill_decode") if any(
+                 "prefill_decode": sims("prefill_decode") if chosen_scenarios and any(
                      v.combined for v in chosen) else []}
         events = event_endpoints(fleet["prefill"] + fleet["prefill_decode"]) \
             if kv_events else {}
@@ -622,6 +645,16 @@ def main(argv: list[str] | None = None) -> int:
             print(text, flush=True)
             if args.report:
                 report.write_section(Path(args.report), scenario.label, text)
+        if with_trace:
+            meta, rows = tracereplay.run(args, workdir, fleet, events, kv_events and kv_reader)
+            results["trace"] = {"meta": meta, "rows": rows}
+            text = tracereplay.render(meta, rows)
+            print(text, flush=True)
+            if args.report:
+                report.write_section(Path(args.report), tracereplay.LABEL, text)
+            if args.bench_json:
+                Path(args.bench_json).write_text(json.dumps(tracereplay.json_rows(rows),
+                                                            indent=1) + "\n")
         if args.json:
             Path(args.json).write_text(json.dumps(results))
     except BaseException:

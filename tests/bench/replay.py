@@ -1,9 +1,13 @@
-"""The fleet benchmark's client: replays a chat trace at its timestamps (open loop) and times
+"""The fleet benchmark's client: replays a trace at its timestamps (open loop) and times
 every stream. A separate process, like loadgen.py, so its CPU is not the target's.
 
 Reads ``{"urls": [...], "trace": [...], "deadline": s, "timeout": s}`` on stdin; request i
-goes to ``urls[i % len(urls)]`` (several URLs: a round-robin front of several proxies).
-Prints ``{"requests": [{"ok", "ttft", "gaps", "error", "session", "turn"}...], "wall_s"}``.
+goes to ``urls[i % len(urls)]`` (several URLs: a round-robin front of several proxies). The
+trace is chat items (``{"t", "session", "turn", "body"}``), or with ``"mooncake": {"model",
+"max_tokens"}`` rows of a Mooncake trace (``mooncaketrace.as_json``), whose text is made
+just before each is sent, so a long trace is never held in memory as text.
+Prints ``{"requests": [{"ok", "status", "ttft", "gaps", "error", "session", "turn"}...],
+"wall_s"}``.
 """
 
 from gevent import monkey
@@ -20,21 +24,24 @@ from urllib.parse import urlsplit  # noqa: E402
 import gevent  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import mooncaketrace  # noqa: E402
 from loadgen import Conn, ResponseError, check  # noqa: E402
 
 PATH = "/v1/chat/completions"
 
 
-def one(url: str, item: dict[str, Any], timeout: float) -> dict[str, Any]:
+def one(url: str, path: str, item: dict[str, Any], body: bytes,
+        timeout: float) -> dict[str, Any]:
     parts = urlsplit(url)
-    body = json.dumps(item["body"], separators=(",", ":")).encode()
-    head = (f"POST {PATH} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: "
+    head = (f"POST {path} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: "
             f"application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
     conn = Conn(parts.hostname or "127.0.0.1", parts.port or 80)
-    out: dict[str, Any] = {"session": item["session"], "turn": item["turn"], "ok": False}
+    out: dict[str, Any] = {"session": item.get("session", 0), "turn": item.get("turn", 0),
+                           "ok": False}
     try:
         with gevent.Timeout(timeout, ResponseError(f"no answer in {timeout} s")):
             status, data, first, _gap, elapsed = conn.request(head, body)
+        out["status"] = status
         why = check(status, data, True)
         if why:
             out["error"] = why
@@ -51,6 +58,8 @@ def main() -> int:
     spec = json.load(sys.stdin)
     urls, trace, timeout = spec["urls"], spec["trace"], float(spec.get("timeout", 60))
     deadline = float(spec.get("deadline", 300))
+    rows = spec.get("mooncake")
+    path = mooncaketrace.PATH if rows else PATH
     start = time.monotonic()
     jobs = []
     for i, item in enumerate(trace):
@@ -59,7 +68,10 @@ def main() -> int:
             gevent.sleep(wait)
         if time.monotonic() - start > deadline:
             break
-        jobs.append(gevent.spawn(one, urls[i % len(urls)], item, timeout))
+        doc = mooncaketrace.body(mooncaketrace.from_json(item), rows["model"],
+                                 rows["max_tokens"]) if rows else item["body"]
+        body = json.dumps(doc, separators=(",", ":")).encode()
+        jobs.append(gevent.spawn(one, urls[i % len(urls)], path, item, body, timeout))
     gevent.joinall(jobs)
     json.dump({"requests": [j.get() for j in jobs], "wall_s": time.monotonic() - start},
               sys.stdout)

@@ -24,7 +24,8 @@ import run
 BLOCKS = {"bench": "run.py", "fleet-light": "fleet.py", "fleet-loaded": "fleet.py",
           "fleetmodel-loaded": "fleetmodel.py", "fleetmodel-light": "fleetmodel.py",
           "hotpath": "hotpath.py", "upstream-call": "upstream_call.py",
-          "relaycost": "relaycost.py", "kvpicture": "kvpicture.py", "soak": "soak.py"}
+          "relaycost": "relaycost.py", "kvpicture": "kvpicture.py", "soak": "soak.py",
+          "fleet-trace": "tracereplay.py"}
 BLOCK = re.compile(r"<!-- bench:([\w-]+):start -->\n.*?<!-- bench:\1:end -->", re.S)
 
 
