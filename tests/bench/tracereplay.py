@@ -29,6 +29,16 @@ from run import Fleet, configure, machine, router_version
 from epd_flask.sim import textgen
 from epd_flask.sim.kvcache import PrefixCache, block_hashes
 
+#: Llama 3.1 8B Instruct (FP8) on one H200 with vLLM, as NVIDIA's Dynamo profiled it
+#: (docs/benchmarks.md cites where): prefill throughput, inter-token time of a lone stream and
+#: what each other running stream adds, and the prefix cache's blocks of 16 tokens.
+FIGURES = {
+    "prefill_tokens_per_s": 110000.0,
+    "token_delay": 0.0034,
+    "token_delay_per_stream": 0.000064,
+    "kv_cache_blocks": 58000,
+    "ttft": 0.0,
+}
 #: The block of docs/benchmarks.md a default run replaces.
 LABEL = "fleet-trace"
 #: The keys of each row ``--bench-json`` writes, in this order.
@@ -52,7 +62,7 @@ MODEL = "tiny-llama"
 
 
 def offline(rows: list[mooncaketrace.Row], instances: int = fleet.INSTANCES,
-            blocks: int = int(fleet.FIGURES["kv_cache_blocks"])) -> dict[str, int]:
+            blocks: int = int(FIGURES["kv_cache_blocks"])) -> dict[str, int]:
     """The trace's prompt tokens; what one infinite cache seeing every prompt computes (the
     JSON's ``oracle_prefill_tokens``); and what round_robin computes (request i on instance i
     mod n, each with its own bounded cache), through the sim's own prefix cache."""
@@ -156,8 +166,8 @@ def run(args: Any, workdir: Path, sims: dict[str, list[str]], events: dict[str, 
     rows = mooncaketrace.load(Path(args.trace), args.trace_limit, args.trace_speed)
     work = offline(rows)
     seconds = span(rows)
-    factor = time_factor(work["round_robin"], seconds, fleet.FIGURES, fleet.UTILISATION)
-    figures = scaled(fleet.FIGURES, factor)
+    factor = time_factor(work["round_robin"], seconds, FIGURES, fleet.UTILISATION)
+    figures = scaled(FIGURES, factor)
     for url in sims["prefill"] + sims["decode"]:
         configure(url, {**figures, "max_model_len": MAX_MODEL_LEN, "output_tokens": MAX_TOKENS})
     trace = [mooncaketrace.as_json(r) for r in rows]
