@@ -300,6 +300,10 @@ _ROSTER_SETTINGS = (
                   gt=0, le=3600),
     RosterSetting("probe_timeout", float, 2.0, "a probe slower than this failed", "seconds",
                   gt=0, le=600),
+    # Read in the probe round that follows, so never more often than the probes.
+    RosterSetting("engine_metrics_interval", float, 5.0,
+                  "between reads of an instance's GET /metrics (its engine's queue) for "
+                  "routing; 0 = never", "seconds", ge=0, le=3600),
     RosterSetting("fail_threshold", int, 3, "consecutive failures before eviction",
                   "failures", ge=1, le=100),
     RosterSetting("evicted_ttl", float, 0.0,

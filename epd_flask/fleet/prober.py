@@ -1,6 +1,6 @@
 """The background greenlet that probes every instance's ``/health``
 (docs/behaviour.md#health-probes), and reads the models of those that answer
-(docs/behaviour.md#models).
+(docs/behaviour.md#models) and their engine's queue (docs/behaviour.md#routing-policies).
 
 Started by the server (a gunicorn hook, or a test fixture), never by the app factory. The
 first round runs at once, so a new worker learns about instances that died after the health
@@ -17,6 +17,7 @@ import gevent.pool
 from epd_flask.core import events, jsoncodec
 from epd_flask.core.errors import ProxyError
 from epd_flask.core.periodic import Periodic
+from epd_flask.fleet import enginemetrics
 from epd_flask.fleet.live import FleetView, LiveFleet, added
 from epd_flask.fleet.models import ModelListError, parse_models
 from epd_flask.fleet.registry import InstanceState
@@ -25,6 +26,8 @@ from epd_flask.upstream.transport import Transport
 logger = logging.getLogger(__name__)
 
 PROBE_CONCURRENCY = 32
+#: An engine read is due once this share of ``engine_metrics_interval`` has passed.
+ENGINE_SLACK = 0.9
 
 
 class Prober:
@@ -36,6 +39,8 @@ class Prober:
         self.models_headers = models_headers or {}
         self.transport = transport
         self._pool = gevent.pool.Pool(PROBE_CONCURRENCY)
+        #: When each instance's engine queue was last asked for (monotonic).
+        self._engine_tried: dict[str, float] = {}
         self._loop = Periodic("probe round", self.probe_all,
                               lambda: self.live.settings.probe_interval)
         live.subscribe(self.on_change)
@@ -88,6 +93,8 @@ class Prober:
             self.registry.record_success(url, time.monotonic() - started)
             if self.models_due(state):
                 self.read_models(state)
+            if self.engine_due(state):
+                self.read_engine(state)
         else:
             self.registry.record_failure(url, reason)
         return ok
@@ -98,6 +105,31 @@ class Prober:
         unloaded shows within one interval); once for one whose roster lists them, whose
         answer only lends its cards' fields to ``/v1/models``."""
         return state.instance.models is None or state.cards is None
+
+    def engine_due(self, state: InstanceState) -> bool:
+        """Whether this round reads the instance's engine queue: ``engine_metrics_interval``
+        (0: never) since the last attempt, so never more often than the probes."""
+        interval = self.live.settings.engine_metrics_interval
+        if interval <= 0:
+            return False
+        last = self._engine_tried.get(state.instance.url)
+        # A round's probes are not all at the same instant: a little slack keeps an interval
+        # equal to the probe interval from skipping every other round.
+        return last is None or time.monotonic() - last >= interval * ENGINE_SLACK
+
+    def read_engine(self, state: InstanceState) -> None:
+        url = state.instance.url
+        self._engine_tried[url] = time.monotonic()
+        try:
+            load = enginemetrics.read(self.transport, url, self.live.settings.probe_timeout,
+                                      self.models_headers)
+        except (ProxyError, ValueError) as err:
+            if self.registry.get(url) is state:
+                self.registry.record_engine_failure(url, getattr(err, "message", None)
+                                                    or str(err))
+            return
+        if self.registry.get(url) is state:
+            self.registry.record_engine(url, load)
 
     def read_models(self, state: InstanceState) -> None:
         url = state.instance.url

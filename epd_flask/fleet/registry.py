@@ -17,8 +17,12 @@ from typing import Any
 from epd_flask.control import settings
 from epd_flask.control.roster import Instance
 from epd_flask.core import events
+from epd_flask.fleet.enginemetrics import EngineLoad
 
 logger = logging.getLogger(__name__)
+
+#: The weight of each new call in ``Registry.mean_tokens``.
+MEAN_WEIGHT = 0.05
 
 @dataclass
 class InstanceState:
@@ -39,6 +43,13 @@ class InstanceState:
     #: The estimated prompt tokens of those calls: what a prefill has queued
     #: (docs/behaviour.md#routing-policies).
     tokens_in_flight: int = 0
+    #: The engine's last readable queue (``GET /metrics``), when it was read (monotonic) and
+    #: this worker's calls open then; a failed read leaves them
+    #: (docs/behaviour.md#routing-policies).
+    engine: EngineLoad | None = None
+    engine_read_at: float | None = None
+    engine_calls_at_read: int = 0
+    engine_error: str | None = None
     extra: dict[str, object] = field(default_factory=dict)
     #: The instance's last readable ``/v1/models`` answer, cards by model id (None: never
     #: read); an unreadable answer leaves it as it was (docs/behaviour.md#models).
@@ -52,6 +63,17 @@ class InstanceState:
         if self.instance.models is not None:
             return frozenset(self.instance.models)
         return None if self.cards is None else frozenset(self.cards)
+
+    def queue(self, now: float, max_age: float) -> int:
+        """The requests this instance's engine holds, as best this worker knows: its last
+        read if not older than ``max_age``, corrected by this worker's calls opened or closed
+        since (what every host saw then, plus what this one did since); else this worker's
+        open calls."""
+        if self.engine is None or self.engine_read_at is None \
+                or now - self.engine_read_at > max_age:
+            return self.in_flight
+        return max(self.in_flight,
+                   self.engine.queue + self.in_flight - self.engine_calls_at_read)
 
     def serves(self, model: str | None) -> bool:
         names = self.served()
@@ -86,6 +108,9 @@ class Registry:
         self.evicted_ttl = evicted_ttl
         self._states: dict[str, InstanceState] = {}
         self.version = 0
+        #: The mean estimated prompt tokens of the calls this worker opens (a moving average):
+        #: what a request another host sent an engine is taken to weigh.
+        self.mean_tokens = 0.0
         self.replace(instances)
 
     def replace(self, instances: Iterable[Instance]) -> None:
@@ -117,6 +142,32 @@ class Registry:
         if state is not None:
             state.in_flight = max(0, state.in_flight + delta)
             state.tokens_in_flight = max(0, state.tokens_in_flight + delta * tokens)
+        if delta > 0 and tokens > 0:
+            self.mean_tokens += MEAN_WEIGHT * (tokens - self.mean_tokens)
+
+    def record_engine(self, url: str, load: EngineLoad, now: float | None = None) -> None:
+        """A read of ``url``'s engine queue; what this worker had open on it then is kept,
+        so the calls it opens or closes later can be added to it."""
+        state = self._states.get(url)
+        if state is None:
+            return
+        if state.engine_error is not None:
+            logger.info("instance %s: its engine's queue is read again", url)
+            state.engine_error = None
+        state.engine = load
+        state.engine_read_at = time.monotonic() if now is None else now
+        state.engine_calls_at_read = state.in_flight
+
+    def record_engine_failure(self, url: str, error: str) -> None:
+        """A failed read: the last values stay (they age out of routing), logged once until a
+        read succeeds again."""
+        state = self._states.get(url)
+        if state is None:
+            return
+        if state.engine_error is None:
+            logger.warning("instance %s: cannot read its engine's queue (%s); routing counts "
+                           "this worker's calls to it until it can", url, error)
+        state.engine_error = error
 
     def states(self) -> list[InstanceState]:
         return list(self._states.values())

@@ -12,6 +12,7 @@ frozen ``RouteRequest``: nothing reaches a policy through a side channel.
 from __future__ import annotations
 
 import random
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
@@ -31,6 +32,9 @@ from epd_flask.fleet.policies import Decision, Load, Placement, Policy, PolicyEn
 #: The roles whose ``least_loaded`` load is prompt tokens in flight rather than calls: a
 #: prefill's work is its prompt; a decode's or an encoder's is not.
 TOKEN_ROLES = frozenset({PREFILL})
+#: An engine read older than this many read intervals (or probe intervals, the longer) no
+#: longer counts: the instance stopped answering its /metrics.
+ENGINE_MAX_AGE = 3
 
 Readiness = tuple[bool, str]
 #: Hears every decision: (role, decision).
@@ -104,23 +108,33 @@ class Router:
         return held
 
     def load(self, role: str) -> Load:
-        """This worker's upstream calls open on each instance; on a prefill, the estimated
-        prompt tokens of those calls plus one per call: a prefill's wait is the tokens queued
-        before it, and one long prompt outweighs many short ones, which a count of calls
-        cannot see (docs/behaviour.md#routing-policies). The affinity policies bound calls:
-        an affinity hit's prompt is mostly cached, which the estimate cannot see."""
+        """The requests each instance's engine holds: its last read queue (what every host
+        and worker sent it) corrected by this worker's calls since, or while no fresh read
+        exists this worker's open calls (``InstanceState.queue``). On a prefill, weighed in
+        prompt tokens: this worker's calls by their estimated prompt tokens plus one each,
+        the others by the mean estimate of this worker's calls: a prefill's wait is the
+        tokens queued before it, and one long prompt outweighs many short ones, which a count
+        of calls cannot see (docs/behaviour.md#routing-policies). The affinity policies bound
+        requests: an affinity hit's prompt is mostly cached, which the estimate cannot see."""
         registry = self.live.registry
+        settings = self.live.settings
+        now = time.monotonic()
+        max_age = ENGINE_MAX_AGE * max(settings.probe_interval, settings.engine_metrics_interval)
 
         def calls(inst: Instance) -> int:
             state = registry.get(inst.url)
-            return state.in_flight if state is not None else 0
+            return state.queue(now, max_age) if state is not None else 0
 
         if role not in TOKEN_ROLES:
             return Load(calls, calls)
 
         def tokens(inst: Instance) -> int:
             state = registry.get(inst.url)
-            return state.in_flight + state.tokens_in_flight if state is not None else 0
+            if state is None:
+                return 0
+            others = state.queue(now, max_age) - state.in_flight
+            return (state.in_flight + state.tokens_in_flight
+                    + round(others * (1 + registry.mean_tokens)))
 
         return Load(tokens, calls)
 

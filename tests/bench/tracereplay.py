@@ -101,25 +101,29 @@ def scaled(figures: dict[str, Any], factor: float) -> dict[str, Any]:
             "token_delay_per_stream": float(figures["token_delay_per_stream"]) / factor}
 
 
+#: epd-flask's roster settings on the trace: the engines' queues read every second (the
+#: replay lasts ~30 s; the default 5 s would give each target a handful of reads).
+EPD_SETTINGS = {"probe_interval": 1.0, "engine_metrics_interval": 1.0}
+
+
 def variants(include_router: bool, kv_events: bool) -> list[fleet.Variant]:
     """The trace's targets: every epd-flask policy on split instances, kv_aware also on 2
     hosts x 2 workers, the oracle, and vllm-router's policies."""
     split = {"decode": "least_loaded"}
+
+    def epd(name: str, routing: dict[str, str], **kw: Any) -> fleet.Variant:
+        return fleet.Variant(name, "epd", routing=routing, extra=dict(EPD_SETTINGS), **kw)
     out = [
-        fleet.Variant("epd round_robin", "epd", routing={}),
-        fleet.Variant("epd least_loaded", "epd",
-                      routing={"prefill": "least_loaded", "decode": "least_loaded"}),
-        fleet.Variant("epd prefix", "epd", routing={"prefill": "prefix", **split}),
-        fleet.Variant("epd session", "epd", routing={"prefill": "session", **split}),
+        epd("epd round_robin", {}),
+        epd("epd least_loaded", {"prefill": "least_loaded", "decode": "least_loaded"}),
+        epd("epd prefix", {"prefill": "prefix", **split}),
+        epd("epd session", {"prefill": "session", **split}),
     ]
     if kv_events:
-        out += [fleet.Variant("epd kv_aware", "epd", routing={"prefill": "kv_aware", **split},
-                              kv_events=True),
-                fleet.Variant("epd kv_aware, 2 hosts x 2 workers", "epd", workers=2,
-                              processes=2, kv_events=True,
-                              routing={"prefill": "kv_aware", **split})]
-    out.append(fleet.Variant("oracle", "epd", routing={"prefill": "oracle",
-                                                        "decode": "oracle"}))
+        out += [epd("epd kv_aware", {"prefill": "kv_aware", **split}, kv_events=True),
+                epd("epd kv_aware, 2 hosts x 2 workers", {"prefill": "kv_aware", **split},
+                    workers=2, processes=2, kv_events=True)]
+    out.append(epd("oracle", {"prefill": "oracle", "decode": "oracle"}))
     if include_router:
         for policy in ("round_robin", "power_of_two", "cache_aware"):
             out.append(fleet.Variant(f"vllm-router {policy}", "router",

@@ -1,0 +1,91 @@
+"""Engine load signals through real HTTP (docs/behaviour.md#routing-policies): the prober reads
+each instance's /metrics, so a proxy sees the queue another proxy (another host) built on an
+instance and sends its own requests elsewhere; a read that fails keeps the last values and is
+logged once."""
+
+from __future__ import annotations
+
+import logging
+
+import gevent
+import requests
+
+from epd_flask.web.services import services
+from tests.bodies import completion
+from tests.fakes import response
+from tests.helpers import eventually
+from tests.rosters import roster
+
+#: ~1,000 tokens: 0.5 s of prefill at 2,000 tokens/s.
+LONG = "word " * 800
+FAST_PROBES = {"probe_interval": 0.1, "engine_metrics_interval": 0.1}
+
+
+def _post(url: str, prompt: str) -> requests.Response:
+    return requests.post(url + "/v1/completions", timeout=30,
+                         json=completion(prompt, max_tokens=1))
+
+
+def test_a_queue_another_host_built_is_seen_and_avoided(sim, proxy) -> None:
+    slow = {"prefill_tokens_per_s": 2000.0, "max_model_len": 4096}
+    busy, idle, d = sim("prefill", **slow), sim("prefill", **slow), sim("decode", **slow)
+    # Host A knows only `busy`; host B both, routing its prefills to the less loaded.
+    host_a = proxy(roster([busy], [d], **FAST_PROBES), probes=True)
+    host_b = proxy(roster([busy, idle], [d], routing={"prefill": "least_loaded"},
+                          **FAST_PROBES), probes=True)
+    sent = [gevent.spawn(_post, host_a.url, f"{i} {LONG}") for i in range(4)]
+    eventually(lambda: busy.state.engine_gauges()[1] >= 2, what="host A's prefills queued")
+    b_registry = services(host_b.app).live.registry
+    eventually(lambda: (s := b_registry.get(busy.url)) is not None and s.engine is not None
+               and s.engine.queue >= 3, what="host B read the queue on `busy`")
+    for i in range(3):
+        r = _post(host_b.url, f"b{i} short")
+        assert r.status_code == 200, r.text
+    assert idle.state.stats()["completions"] == 3  # none joined the queue host A built
+    gevent.joinall(sent, timeout=30)
+    assert all(g.value.status_code == 200 for g in sent)
+
+
+def test_without_engine_reads_another_host_queue_is_invisible(sim, proxy) -> None:
+    slow = {"prefill_tokens_per_s": 2000.0, "max_model_len": 4096}
+    busy, idle, d = sim("prefill", **slow), sim("prefill", **slow), sim("decode", **slow)
+    host_a = proxy(roster([busy], [d], probe_interval=0.1), probes=True)
+    host_b = proxy(roster([busy, idle], [d], routing={"prefill": "least_loaded"},
+                          probe_interval=0.1, engine_metrics_interval=0), probes=True)
+    sent = [gevent.spawn(_post, host_a.url, f"{i} {LONG}") for i in range(4)]
+    eventually(lambda: busy.state.engine_gauges()[1] >= 2, what="host A's prefills queued")
+    for i in range(6):
+        assert _post(host_b.url, f"b{i} short").status_code == 200
+    # Equal loads as host B counts them: a coin toss each time, so some joined the queue.
+    assert busy.state.stats()["completions"] > 4
+    gevent.joinall(sent, timeout=30)
+    registry = services(host_b.app).live.registry
+    assert registry.get(busy.url).engine is None  # never read
+
+
+def test_a_failing_metrics_page_keeps_the_last_values_and_warns_once(fake, sim, proxy,
+                                                                      caplog) -> None:
+    answers = {"metrics": response(body=b"vllm:num_requests_waiting 3\n"
+                                        b"vllm:num_requests_running 2\n",
+                                   content_type="text/plain")}
+
+    def handler(conn, request: bytes) -> None:
+        path = request.split(b" ", 2)[1]
+        if path == b"/metrics":
+            conn.sendall(answers["metrics"])
+        else:  # /health, /v1/models
+            conn.sendall(response(body=b'{"object":"list","data":[]}'))
+
+    upstream = fake(handler)
+    d = sim("decode")
+    px = proxy(roster([upstream.url], [d], **FAST_PROBES), probes=True)
+    registry = services(px.app).live.registry
+    eventually(lambda: registry.get(upstream.url).engine is not None, what="a first read")
+    with caplog.at_level(logging.WARNING, logger="epd_flask.fleet.registry"):
+        answers["metrics"] = response("500 Internal Server Error", b"{}")
+        reads = len(upstream.requests)
+        eventually(lambda: len(upstream.requests) > reads + 12, what="several failed reads")
+    warnings = [r.getMessage() for r in caplog.records if "engine's queue" in r.getMessage()]
+    assert len(warnings) == 1 and "answered 500" in warnings[0], warnings
+    state = registry.get(upstream.url)
+    assert state.engine.queue == 5 and state.live  # kept, and not a health failure
