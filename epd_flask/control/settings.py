@@ -352,7 +352,7 @@ _ROSTER_SETTINGS = (
                   "the message then, for every stage; empty: one naming the stage (and model)",
                   shown="(names the stage)"),
     RosterSetting("disaggregate_min_prompt_tokens", int, 0,
-                  "shorter prompts skip prefill and go straight to decode; 0 = never",
+                  "prompts leaving decode fewer tokens to compute skip prefill; 0 = never",
                   "tokens", ge=0),
 )
 

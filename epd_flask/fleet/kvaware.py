@@ -74,6 +74,15 @@ def parse_tokens(doc: Any) -> list[int]:
     return tokens
 
 
+def held_tokens(picture: CachePicture, tokens: Sequence[int]) -> int | None:
+    """How many of the prompt's ``tokens``, from the first, ``picture``'s instance holds (None:
+    its block size is not known yet, so nothing can be matched)."""
+    size = picture.block_size
+    if not size:
+        return None
+    return picture.matched(prompt_keys(tokens, size, MAX_PROMPT_BLOCKS), tokens) * size
+
+
 class KVAware(Prefix):
     """The prefix choice, overruled by the candidates' cached blocks when they can be
     compared."""

@@ -24,7 +24,7 @@ from epd_flask.control.roster import Instance, Settings
 from epd_flask.core.errors import NoBackend
 from epd_flask.core.tracing import RequestTrace
 from epd_flask.fleet import policies
-from epd_flask.fleet.kvaware import Tokenizer
+from epd_flask.fleet.kvaware import Tokenizer, held_tokens
 from epd_flask.fleet.kvcache import CachePicture
 from epd_flask.fleet.live import LiveFleet
 from epd_flask.fleet.policies import Decision, Load, Placement, Policy, PolicyEnv, RouteRequest
@@ -173,10 +173,12 @@ class Router:
 
     def with_tokens(self, request: RouteRequest, roles: Iterable[str], body: dict[str, Any],
                     headers: dict[str, str] | None = None,
+                    held_on: str | None = None,
                     trace: RequestTrace | None = None) -> RouteRequest:
         """``request`` with the prompt's token ids when a policy of ``roles`` would read them
-        and some candidate could use them; asked once per request, on the candidate the
-        prompt's prefix ranks first (a span of the request's ``trace``)."""
+        and some candidate could use them, or when some candidate of ``held_on`` has a cache
+        picture (the caller will ask what it holds: ``held``); asked once per request, on the
+        candidate the prompt's prefix ranks first (a span of the request's ``trace``)."""
         if request.tokens is not None or self.tokenizer is None:
             return request
         for role in roles:
@@ -189,8 +191,29 @@ class Router:
                 continue
             if not policy.worth_tokens(candidates):
                 continue
-            first = policies.rendezvous_order(request.prefix, candidates)[0] \
-                if request.prefix is not None else candidates[0]
-            return replace(request, tokens=self.tokenizer.tokens(body, first.instance, headers,
-                                                                 trace))
+            return self._tokenized(request, candidates, body, headers, trace)
+        if held_on is not None:
+            try:
+                candidates = self._preferred(held_on, request)
+            except NoBackend:
+                return request
+            if any(self._env.pictures(c.url) is not None for c in candidates):
+                return self._tokenized(request, candidates, body, headers, trace)
         return request
+
+    def _tokenized(self, request: RouteRequest, candidates: Sequence[Placement],
+                   body: dict[str, Any], headers: dict[str, str] | None,
+                   trace: RequestTrace | None) -> RouteRequest:
+        assert self.tokenizer is not None
+        first = policies.rendezvous_order(request.prefix, candidates)[0] \
+            if request.prefix is not None else candidates[0]
+        return replace(request, tokens=self.tokenizer.tokens(body, first.instance, headers,
+                                                             trace))
+
+    def held(self, instance: Instance, request: RouteRequest) -> int | None:
+        """How many of the request's prompt tokens ``instance``'s cache holds, from the
+        first; None when that cannot be known (no picture, or no tokens)."""
+        picture = self._env.pictures(instance.url)
+        if picture is None or not request.tokens:
+            return None
+        return held_tokens(picture, request.tokens)

@@ -80,8 +80,8 @@ RETRIES = Counter("epd_retries_total", "Attempts retried before the first byte, 
                   registry=_REGISTRY)
 ROUTING = Counter(
     "epd_routing_decisions_total", "Routing decisions by role, policy and outcome (rotation, "
-    "least, tie, hit, spill, nokey; kvhit, kvmiss, fallback: kv_aware's; skipped: a short "
-    "prompt went straight to decode) and the "
+    "least, tie, hit, spill, nokey; kvhit, kvmiss, fallback: kv_aware's; skipped: a prompt "
+    "short or mostly held by its decode went straight to decode) and the "
     "instance chosen.", ["role", "policy", "outcome", "instance"], registry=_REGISTRY)
 PREFILL_PROMPT_TOKENS = Counter(
     "epd_prefill_prompt_tokens_total", "Prompt tokens of the requests each prefill answered, "

@@ -122,10 +122,12 @@ class Pipeline:
         earlier ones failed on."""
         view = self.live.view
         request = route_request(body, ctx.session, ctx.model)
+        floor = self._disaggregation_floor()
         roles = (PREFILL_DECODE,) if view.combined else \
-            (DECODE,) if self._skips_prefill(request) else (DECODE, PREFILL)
+            (DECODE,) if request.prompt_tokens < floor else (DECODE, PREFILL)
         request = self.router.with_tokens(request, roles, body, ctx.upstream_headers,
-                                          trace=ctx.trace)
+                                          held_on=DECODE if floor and not view.combined
+                                          else None, trace=ctx.trace)
         ctx.on_leg = partial(self.registry.track, tokens=request.prompt_tokens)
         attempts = view.settings.decode_retries + 1
         for attempt in range(attempts):
@@ -189,8 +191,9 @@ class Pipeline:
             return self._reply(opened, ctx)
         # Decode is chosen first: with no decode alive, prefill work would be wasted.
         decode = self.router.pick(DECODE, request, ctx.decided).instance
-        if self._skips_prefill(request):
-            return self._decode_only(decode, path, body, ctx, request)
+        skipped = self._skips_prefill(request, decode)
+        if skipped is not None:
+            return self._decode_only(decode, path, body, ctx, request, skipped)
         prefill = self.router.pick(
             PREFILL, replace(request, base=self.registry.base_of(decode.url, ctx.model)),
             ctx.decided)
@@ -208,18 +211,32 @@ class Pipeline:
             leg.headers = {**staged.consumer_headers, **leg.headers}
         return leg
 
-    def _skips_prefill(self, request: RouteRequest) -> bool:
-        """Selective disaggregation (docs/behaviour.md#routing-policies): a prompt estimated
-        shorter than ``disaggregate_min_prompt_tokens`` costs decode less to compute than a
-        prefill hop and a KV transfer; only connectors whose decode can compute alone."""
-        floor = self.live.settings.disaggregate_min_prompt_tokens
-        return floor > 0 and request.prompt_tokens < floor and self.connector.recomputes
+    def _disaggregation_floor(self) -> int:
+        """``disaggregate_min_prompt_tokens`` when the connector's decode can compute a prompt
+        alone, else 0 (never skip prefill)."""
+        return self.live.settings.disaggregate_min_prompt_tokens \
+            if self.connector.recomputes else 0
+
+    def _skips_prefill(self, request: RouteRequest, decode: Instance) -> str | None:
+        """Selective disaggregation (docs/behaviour.md#routing-policies): the prompt tokens
+        ``decode`` would compute, when fewer than ``disaggregate_min_prompt_tokens``, cost it
+        less than a prefill hop and a KV transfer. Where decode's cache picture is known,
+        those are the prompt's tokens it does not hold (why: ``held=<held>/<prompt>``);
+        otherwise the estimated prompt (``short``). None: prefill runs."""
+        floor = self._disaggregation_floor()
+        if floor <= 0:
+            return None
+        held = self.router.held(decode, request)
+        if held is None or request.tokens is None:
+            return "short" if request.prompt_tokens < floor else None
+        return f"held={held}/{len(request.tokens)}" \
+            if len(request.tokens) - held < floor else None
 
     def _decode_only(self, decode: Instance, path: str, body: dict[str, Any],
-                     ctx: RequestContext, request: RouteRequest) -> Reply:
+                     ctx: RequestContext, request: RouteRequest, why: str) -> Reply:
         body = self.encode.run(body, ctx, Placement(decode), self.live.settings, request).body
         route = Route(Placement(decode), decode, ctx.attempt_id, ctx.retries)
-        ctx.decided(PREFILL, Decision(Placement(decode), "disaggregate", "skipped", "short"))
+        ctx.decided(PREFILL, Decision(Placement(decode), "disaggregate", "skipped", why))
         opened = self._open_decode(decode, path, self.connector.decode_leg(body, route, None),
                                    ctx)
         return self._reply(opened, ctx)

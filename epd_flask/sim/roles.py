@@ -148,7 +148,23 @@ def _decode(req: Request, state: SimState, request_id: str) -> Answer:
     answer.computed_tokens = 0  # the KV arrives from prefill
     if verdict == handles.MOONCAKE:
         answer.pull = dict(req.kv_params or {})
+    else:
+        _keep_received(req, state)
     return answer
+
+
+def _keep_received(req: Request, state: SimState) -> None:
+    """What vLLM's decode does with KV that arrived from a prefill: its blocks are cached
+    like computed ones (the scheduler's ``_update_waiting_for_remote_kv`` calls
+    ``cache_blocks``), so they show in its KV events and serve a later prompt that shares
+    them. Nothing is counted as computed or cached: this request computed nothing."""
+    if state.config.prefill_tokens_per_s <= 0 and not state.prefix_cache.recording:
+        return
+    cache = state.prefix_cache
+    ids = req.prompt_ids or [None] * len(req.prompts)
+    for prompt, given in zip(req.prompts, ids, strict=True):
+        cache.insert(textgen.token_ids(prompt) if given is None else given)
+    state.publish_kv_events()
 
 
 def _encode(req: Request, state: SimState, request_id: str) -> Answer:

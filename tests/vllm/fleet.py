@@ -324,6 +324,23 @@ def _kv() -> list[VllmServer]:
     return servers
 
 
+def _kv_decode() -> list[VllmServer]:
+    """One NIXL prefill and one decode with prefix caching that publishes KV-cache events:
+    the decode keeps the KV a prefill sent it (selective disaggregation on what it holds)."""
+    servers = []
+    for name, role, kv_role, core in (("prefill", "prefill", "kv_producer", 0),
+                                      ("decode", "decode", "kv_consumer", 1)):
+        side = vllm_port()
+        events = vllm_port() if role == "decode" else None
+        servers.append(start_vllm(
+            f"kv-decode-{name}", role, core,
+            args=("--kv-transfer-config", kv_config("NixlConnector", kv_role),
+                  *(kv_events_args(events) if events else ())),
+            env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(side)}, side_channel_port=side,
+            **({"kv_events_port": events} if events else {})))
+    return servers
+
+
 def _mooncake_pair() -> list[VllmServer]:
     """Two Mooncake prefills with prefix caching (each reporting its cached tokens) and one
     decode: routing among Mooncake's (prefill, rank) pairs. Three servers on two cores."""
@@ -351,6 +368,7 @@ TOPOLOGIES: dict[str, Callable[[], list[VllmServer]]] = {
     "encoder": _encoder,
     "models": _models,
     "kv": _kv,
+    "kv-decode": _kv_decode,
 }
 
 
