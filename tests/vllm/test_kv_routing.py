@@ -99,21 +99,26 @@ def warm_up(fleet: Any) -> None:
     assert served == {p.url for p in prefills}, f"only {served} served after warming up"
 
 
+def turn(proxy: Any, prefills: list[VllmServer],
+         messages: list[dict[str, str]]) -> tuple[str, float, int]:
+    """One turn through ``proxy``: (the prefill that computed it, tokens it served from its
+    cache, prompt tokens)."""
+    before = prefill_tokens(prefills)
+    reply = post(proxy.url, "/v1/chat/completions", {
+        "model": MODEL_NAME, "messages": messages, "max_tokens": 4, "temperature": 0})
+    assert reply.status == 200, reply.raw
+    prompt = reply.json["usage"]["prompt_tokens"]
+    per = settled(prefills, before, prompt)
+    url = max(per, key=lambda u: per[u][0])
+    return url, per[url][1], prompt
+
+
 def run(fleet: Any, policy: str) -> tuple[list[tuple[str, float, int]], Any]:
     """Each turn's (prefill that computed it, tokens it served from cache, prompt tokens)."""
     prefills = prefills_of(fleet)
     proxy = start_proxy(fleet, policy)
-    turns = []
-    for _ in range(REPEATS):
-        for messages in conversation(policy):
-            before = prefill_tokens(prefills)
-            reply = post(proxy.url, "/v1/chat/completions", {
-                "model": MODEL_NAME, "messages": messages, "max_tokens": 4, "temperature": 0})
-            assert reply.status == 200, reply.raw
-            prompt = reply.json["usage"]["prompt_tokens"]
-            per = settled(prefills, before, prompt)
-            url = max(per, key=lambda u: per[u][0])
-            turns.append((url, per[url][1], prompt))
+    turns = [turn(proxy, prefills, messages)
+             for _ in range(REPEATS) for messages in conversation(policy)]
     return turns, proxy
 
 

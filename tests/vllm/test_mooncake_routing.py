@@ -16,17 +16,11 @@ import pytest
 
 from tests.helpers import scrape, total
 from tests.rosters import roster
-from tests.vllm.checks import post
-from tests.vllm.fleet import MODEL_NAME, VllmServer
-from tests.vllm.test_kv_routing import BLOCK, conversation, prefill_tokens, settled
+from tests.vllm.test_kv_routing import BLOCK, conversation, prefills_of, turn
 
 pytestmark = pytest.mark.vllm
 
 WARM_UP_ATTEMPTS = 8
-
-
-def prefills_of(fleet: Any) -> list[VllmServer]:
-    return [s for s in fleet.current.servers if s.role == "prefill"]
 
 
 def start_proxy(fleet: Any, policy: str) -> Any:
@@ -34,20 +28,6 @@ def start_proxy(fleet: Any, policy: str) -> Any:
         [(p, {"bootstrap_url": p.bootstrap_url}) for p in prefills_of(fleet)],
         [fleet.current.by_role("decode")], connector="mooncake", decode_retries=0,
         routing={"prefill": policy}))
-
-
-def turn(proxy: Any, prefills: list[VllmServer],
-         messages: list[dict[str, str]]) -> tuple[str, float, int]:
-    """One turn through the proxy: (the prefill that computed it, tokens it served from its
-    cache, prompt tokens)."""
-    before = prefill_tokens(prefills)
-    reply = post(proxy.url, "/v1/chat/completions", {
-        "model": MODEL_NAME, "messages": messages, "max_tokens": 4, "temperature": 0})
-    assert reply.status == 200, reply.raw
-    prompt = reply.json["usage"]["prompt_tokens"]
-    per = settled(prefills, before, prompt)
-    url = max(per, key=lambda u: per[u][0])
-    return url, per[url][1], prompt
 
 
 @pytest.fixture(scope="module")
