@@ -212,7 +212,10 @@ def start(server: Any) -> Reloader:
     except BaseException:
         reloader.cleanup()  # whatever stops start-up, the state directory goes with it
         raise
-    problem = admin_write_problem(path) if settings.read("ADMIN_API_KEY") else None
+    # With an etcd store the admin API writes there (docs/behaviour.md#discovery); only an
+    # edit of an instance the file lists touches the file, and is refused on its own.
+    writes_file = settings.read("ADMIN_API_KEY") and roster.discovery.etcd is None
+    problem = admin_write_problem(path) if writes_file else None
     if problem:
         reloader.cleanup()
         raise RuntimeError(

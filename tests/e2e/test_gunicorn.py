@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -10,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -181,7 +183,9 @@ def test_admin_api_over_a_read_only_roster_refuses_to_start(tmp_path) -> None:
     """The Kubernetes example mounts its roster (a ConfigMap) read-only; with ADMIN_API_KEY
     set there, every registration would fail. gunicorn refuses to start instead, before it
     listens, naming the setting, the directory and the fix; without the key the same
-    read-only roster is served. The roster is the example's own."""
+    read-only roster is served, and so it is with the key when the roster names an etcd store,
+    which the admin API writes instead (docs/behaviour.md#discovery). The roster is the
+    example's own."""
     configmap = yaml.safe_load((ROOT / "etc" / "k8s" / "configmap.yaml").read_text())
     folder = tmp_path / "roster"
     folder.mkdir()
@@ -200,22 +204,49 @@ def test_admin_api_over_a_read_only_roster_refuses_to_start(tmp_path) -> None:
         assert done.returncode != 0, out[-2000:]
         assert "ADMIN_API_KEY" in out and f"{folder} is not writable" in out, out
         assert "Listening at" not in out
-        env.pop("ADMIN_API_KEY")
-        with subprocess.Popen([sys.executable, "-m", "gunicorn", "wsgi:app"], cwd=ROOT,
-                              env=env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, start_new_session=True) as proc:
-            try:
-                def up() -> bool:
-                    assert proc.poll() is None, "gunicorn exited with a read-only roster"
-                    return requests.get(f"http://127.0.0.1:{port}/health",
-                                        timeout=1).status_code == 200
-                eventually(up, 20, interval=0.05, ignoring=(requests.RequestException,),
-                           what="gunicorn serving the read-only roster without the admin API")
-            finally:
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(timeout=30)
+        key = env.pop("ADMIN_API_KEY")
+        with _serving(env, port, "the read-only roster without the admin API"):
+            pass
+        # With an etcd store the admin API writes to etcd, not the file: it may be on. etcd
+        # is not running here, which the admin API says.
+        _writable(folder)
+        doc = yaml.safe_load(configmap["data"]["roster.yaml"])
+        doc["discovery"] = {"etcd": {"endpoints": [f"http://127.0.0.1:{free_port()}"],
+                                     "prefix": "/k8s/"}}
+        roster_file.write_text(yaml.safe_dump(doc))
+        _unwritable(folder)
+        with _serving({**env, "ADMIN_API_KEY": key}, port,
+                      "the read-only roster with the admin API writing to etcd"):
+            answer = requests.post(f"http://127.0.0.1:{port}/instances",
+                                   json={"role": "decode", "url": "http://127.0.0.1:9"},
+                                   headers={"X-API-Key": key}, timeout=30)
+            assert answer.status_code == 503, answer.text
+            assert answer.json()["error"]["code"] == "membership_store_unavailable"
     finally:
         _writable(folder)
+
+
+@contextlib.contextmanager
+def _serving(env: dict[str, str], port: int, what: str) -> Iterator[None]:
+    """gunicorn on ``env`` until it answers /health, then SIGTERM once the block is done."""
+    with subprocess.Popen([sys.executable, "-m", "gunicorn", "wsgi:app"], cwd=ROOT,
+                          env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL, start_new_session=True) as proc:
+        try:
+            def up() -> bool:
+                assert proc.poll() is None, f"gunicorn exited: {what}"
+                return requests.get(f"http://127.0.0.1:{port}/health",
+                                    timeout=1).status_code == 200
+            eventually(up, 20, interval=0.05, ignoring=(requests.RequestException,),
+                       what=f"gunicorn serving {what}")
+            yield
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:  # leave nothing behind to wait for
+                os.killpg(proc.pid, signal.SIGKILL)
+                raise
 
 
 def _dechunk(body: bytes) -> bytes:

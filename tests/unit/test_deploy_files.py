@@ -144,27 +144,54 @@ def test_nginx_streams_unbuffered_and_passes_request_ids() -> None:
 
 # -- Kubernetes ------------------------------------------------------------------------------
 
+def k8s_documents() -> list[dict[str, Any]]:
+    return [doc for path in sorted((ETC / "k8s").glob("*.yaml"))
+            for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
 def k8s_objects() -> dict[str, dict[str, Any]]:
+    """The example's objects by kind; the Services by name (``Service`` is epd-flask's)."""
     docs: dict[str, dict[str, Any]] = {}
-    for path in sorted((ETC / "k8s").glob("*.yaml")):
-        for doc in yaml.safe_load_all(path.read_text()):
-            if doc:
-                docs[doc["kind"]] = doc
+    for doc in k8s_documents():
+        name = doc["metadata"]["name"]
+        kind = doc["kind"]
+        docs[kind if kind != "Service" or name == "epd-flask" else f"Service/{name}"] = doc
     return docs
 
 
 def test_k8s_example_validates_against_the_kubernetes_schema() -> None:
     kv = pytest.importorskip("kubernetes_validate")
     objects = k8s_objects()
-    assert set(objects) == {"ConfigMap", "Deployment", "Service"}
+    assert set(objects) == {"ConfigMap", "Deployment", "Service", "Service/vllm-prefill",
+                            "Service/vllm-decode"}
     for doc in objects.values():
         kv.validate(doc, K8S_VERSION, strict=True)
 
 
-def test_k8s_roster_configmap_is_a_valid_roster() -> None:
-    data = k8s_objects()["ConfigMap"]["data"]
+def test_k8s_roster_finds_each_role_through_its_headless_service() -> None:
+    """Membership is DNS (docs/behaviour.md#discovery): one headless Service per role, named
+    in full in the roster with its port, listing only ready pods; nothing reads the Kubernetes
+    API, so the pods carry no service account token and the example no RBAC."""
+    objects = k8s_objects()
+    data = objects["ConfigMap"]["data"]
     roster = parse(yaml.safe_load(data["roster.yaml"]), "etc/k8s/configmap.yaml")
-    assert roster.by_role("prefill") and roster.by_role("decode")
+    assert roster.instances == ()
+    found = {}
+    for entry in roster.sources["dns"]:
+        service, namespace, *domain = entry.name.split(".")
+        svc = objects[f"Service/{service}"]
+        assert svc["metadata"]["namespace"] == namespace and domain == ["svc", "cluster", "local"]
+        assert svc["spec"]["clusterIP"] == "None"
+        assert svc["spec"].get("publishNotReadyAddresses", False) is False
+        assert svc["spec"]["selector"]["app.kubernetes.io/component"] == entry.role
+        assert entry.port in [p["port"] for p in svc["spec"]["ports"]]
+        found[entry.role] = entry
+    assert set(found) == {"prefill", "decode"}
+    kinds = {doc["kind"] for doc in k8s_documents()}
+    assert not kinds & {"ServiceAccount", "Role", "ClusterRole", "RoleBinding",
+                        "ClusterRoleBinding"}
+    pod = objects["Deployment"]["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False
 
 
 def test_k8s_example_keeps_the_admin_api_off_its_read_only_roster() -> None:
