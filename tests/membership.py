@@ -196,13 +196,14 @@ class Dnsmasq:
 class Relay:
     """A TCP relay in front of a server, which a test can cut: ``cut()`` closes every
     connection through it and refuses new ones until ``mend()``; a network partition between
-    one client and a server that stays up for everyone else."""
+    one client and a server that stays up for everyone else. ``freeze()`` is the silent kind."""
 
     def __init__(self, target_port: int) -> None:
         from gevent.server import StreamServer
 
         self.target_port = target_port
         self.open = True
+        self.frozen = False
         self._pairs: list[tuple[Any, Any]] = []
         self._server = StreamServer(("127.0.0.1", 0), self._handle)
         self._server.start()
@@ -216,6 +217,8 @@ class Relay:
         if not self.open:
             client.close()
             return
+        while self.frozen and self.open:  # accepted, and never answered
+            gevent.sleep(0.05)
         upstream = socket.create_connection(("127.0.0.1", self.target_port))
         pair = (client, upstream)
         self._pairs.append(pair)
@@ -223,6 +226,8 @@ class Relay:
         def pump(src: Any, dst: Any) -> None:
             with contextlib.suppress(OSError):
                 while chunk := src.recv(65536):
+                    while self.frozen and self.open:  # held, as by a dead link: no FIN
+                        gevent.sleep(0.05)
                     dst.sendall(chunk)
             for s in pair:
                 with contextlib.suppress(OSError):
@@ -245,6 +250,11 @@ class Relay:
 
     def mend(self) -> None:
         self.open = True
+
+    def freeze(self) -> None:
+        """Go silent without closing anything: connections stay open, bytes stop, new
+        connections are accepted and never answered (a host that vanished)."""
+        self.frozen = True
 
     def stop(self) -> None:
         self.cut()

@@ -93,10 +93,11 @@ class _TLSPool(urllib3.HTTPSConnectionPool):
 
 class Watch:
     """One watch stream: iterate for batches of events (one per revision etcd sends);
-    ``close()`` from anywhere ends the iteration."""
+    ``close()`` from anywhere ends the iteration. ``endpoint`` is the one it streams from."""
 
-    def __init__(self, response: Any) -> None:
+    def __init__(self, response: Any, endpoint: str) -> None:
         self._response = response
+        self.endpoint = endpoint
         self.closed = False
 
     def __iter__(self) -> Iterator[list[Event]]:
@@ -216,19 +217,20 @@ class EtcdClient:
             if "not found" not in str(exc):
                 raise
 
-    def ping(self) -> int:
-        """A cheap read that proves an endpoint answers; its current revision."""
-        doc = self.call("/kv/range", {"key": _b64("\0"), "count_only": True})
+    def ping(self, endpoint: str | None = None) -> int:
+        """A cheap read that proves an endpoint answers (``endpoint`` itself when given: a
+        watch's, which another endpoint answering proves nothing about); its revision."""
+        doc = self.call("/kv/range", {"key": _b64("\0"), "count_only": True}, only=endpoint)
         return int(doc["header"]["revision"])
 
     def watch(self, prefix: str, start_revision: int) -> Watch:
         """Every change under ``prefix`` from ``start_revision`` on."""
         body = {"create_request": {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix)),
                                    "start_revision": str(start_revision)}}
-        return Watch(self._send("/watch", body, stream=True))
+        return Watch(*self._send("/watch", body, stream=True))
 
-    def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        response = self._send(path, body, stream=False)
+    def call(self, path: str, body: dict[str, Any], only: str | None = None) -> dict[str, Any]:
+        response, _ = self._send(path, body, stream=False, only=only)
         try:
             doc = json.loads(response.data)
         except ValueError:
@@ -238,11 +240,13 @@ class EtcdClient:
             raise EtcdError(f"{path}: {message}")
         return doc  # type: ignore[no-any-return]
 
-    def _send(self, path: str, body: dict[str, Any], stream: bool) -> Any:
-        """POST to the first endpoint that answers, starting with the last that did."""
+    def _send(self, path: str, body: dict[str, Any], stream: bool,
+              only: str | None = None) -> tuple[Any, str]:
+        """POST to the first endpoint that answers, starting with the last that did (or to
+        ``only``); the answer and the endpoint that gave it."""
         payload = json.dumps(body).encode()
         failures = []
-        for endpoint in list(self.endpoints):
+        for endpoint in [only] if only is not None else list(self.endpoints):
             pool = self._pool(endpoint)
             try:
                 response = pool.urlopen(
@@ -254,16 +258,22 @@ class EtcdClient:
             except (HTTPError, OSError) as exc:
                 failures.append(f"{endpoint}: {exc}")
                 continue
-            if response.status >= 500 and len(self.endpoints) > 1:
+            if response.status >= 500 and len(self.endpoints) > 1 and only is None:
                 failures.append(f"{endpoint}: HTTP {response.status}")
                 if stream:
                     response.release_conn()
                 continue
-            if endpoint != self.endpoints[0]:
+            if only is None and endpoint != self.endpoints[0]:
                 self.endpoints.remove(endpoint)
                 self.endpoints.insert(0, endpoint)
-            return response
+            return response, endpoint
         raise EtcdError("no etcd endpoint answered: " + "; ".join(failures))
+
+    def demote(self, endpoint: str) -> None:
+        """Try ``endpoint`` last from now on (it stopped answering)."""
+        if endpoint in self.endpoints and len(self.endpoints) > 1:
+            self.endpoints.remove(endpoint)
+            self.endpoints.append(endpoint)
 
     def _pool(self, endpoint: str) -> urllib3.HTTPConnectionPool:
         pool = self._pools.get(endpoint)

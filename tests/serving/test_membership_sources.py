@@ -20,7 +20,8 @@ from epd_flask.control.sourcespecs import DnsName, EtcdOptions
 from epd_flask.control.statedir import StateDir
 from epd_flask.control.urlpolicy import URLPolicy
 from epd_flask.fleet.sources.dnssource import DnsSource
-from epd_flask.fleet.sources.etcdsource import MAX_BACKOFF, EtcdSource, member_key
+from epd_flask.fleet.sources.etcdsource import MAX_BACKOFF, PING_INTERVAL, EtcdSource, member_key
+from epd_flask.upstream.etcd import TIMEOUT
 from tests.helpers import eventually
 from tests.membership import Dnsmasq, Etcd, Fleet, Relay, needs_dnsmasq, needs_etcd
 
@@ -126,6 +127,34 @@ def test_etcd_cut_off_keeps_the_last_membership_and_applies_what_it_missed(
         assert source.state.up
     finally:
         relay.stop()
+
+
+@needs_etcd
+def test_etcd_watched_endpoint_gone_silent_fails_over_to_one_that_answers(
+        etcd: Etcd, prefix: str, sources: list[Any]) -> None:
+    """The ping asks the watch's own endpoint: another endpoint answering says nothing about
+    a watch whose connection died without a FIN."""
+    silent, other = Relay(etcd.port), Relay(etcd.port)
+    offers = Fleet()
+    source = EtcdSource(EtcdOptions(endpoints=[silent.url, other.url], prefix=prefix),
+                        offers.context())
+    sources.append(source)
+    try:
+        etcd.put_record(prefix, "a", record(9061))
+        source.start()
+        assert eventually(lambda: offers.urls == ["http://127.0.0.1:9061"])
+        assert source._watch is not None and source._watch.endpoint == silent.url
+        silent.freeze()
+        etcd.put_record(prefix, "b", record(9062))
+        assert eventually(lambda: offers.urls == ["http://127.0.0.1:9061",
+                                                  "http://127.0.0.1:9062"],
+                          seconds=PING_INTERVAL + 2 * TIMEOUT + MAX_BACKOFF)
+        assert source._watch.endpoint == other.url and source.state.up
+        etcd.client.delete(f"{prefix}instances/a")  # and it follows from there
+        assert eventually(lambda: offers.urls == ["http://127.0.0.1:9062"])
+    finally:
+        silent.stop()
+        other.stop()
 
 
 @needs_etcd

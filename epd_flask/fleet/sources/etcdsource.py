@@ -5,9 +5,10 @@ One greenlet reads the prefix and watches it from the revision read; a broken wa
 unreachable etcd sends it back to reading (the whole prefix again, so changes made meanwhile
 apply) after a backoff of at most ``MAX_BACKOFF``. A second greenlet pings the endpoint the
 watch uses every ``PING_INTERVAL``: a watch on a connection that died without a FIN would
-otherwise wait for ever. The last membership read is kept in the state directory, so a worker
-that starts while etcd is down serves it. The admin API writes through ``register`` and
-``unregister`` (no lease: a record lasts until deleted).
+otherwise wait for ever. When that endpoint does not answer, the watch is cut and the prefix
+read again from the other endpoints first. The last membership read is kept in the state
+directory, so a worker that starts while etcd is down serves it. The admin API writes
+through ``register`` and ``unregister`` (no lease: a record lasts until deleted).
 """
 
 from __future__ import annotations
@@ -117,8 +118,11 @@ class EtcdSource:
             watch = self._watch
             if watch is not None and not watch.closed:
                 try:
-                    self.client.ping()
-                except EtcdError:
+                    self.client.ping(watch.endpoint)
+                except EtcdError as exc:  # read again from any endpoint that answers
+                    logger.warning("etcd %s stopped answering under the watch (%s); "
+                                   "reading again", watch.endpoint, exc)
+                    self.client.demote(watch.endpoint)
                     watch.close()
             self._save()
 
