@@ -96,6 +96,4 @@ def forget_instance_gauges() -> None:
     earlier app's probe results and liveness as its own. Counters need nothing (tests compare
     them before and after), nor does epd_upstream_in_flight: it counts back to 0 by itself, and
     the observer keeps its children, which a clear() would orphan."""
-    for gauge in (metrics.INSTANCE_LIVE, metrics.PROBE_OK, metrics.PROBE_LATENCY,
-                  metrics.PROBE_TIME):
-        gauge.clear()
+    metrics.OBSERVER.forget_instances()
