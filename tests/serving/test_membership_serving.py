@@ -61,7 +61,7 @@ def test_an_instance_registered_in_etcd_is_routed_and_listed_with_its_source(
     source = px.services.sources["etcd"]
     revision = etcd.client.put(f"{prefix}instances/dup", json.dumps(
         {"role": "prefill_decode", "url": static.url, "dp_size": 3}).encode())
-    assert eventually(lambda: source.revision >= revision)
+    assert eventually(lambda: source.offered >= revision)
     assert listed(px)[static.url]["source"] == "file"
     assert "dp_size" not in listed(px)[static.url]
     assert px.services.live.view.sources[static.url] == "file"

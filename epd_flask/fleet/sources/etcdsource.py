@@ -21,6 +21,7 @@ from typing import Any
 from urllib.parse import quote
 
 import gevent
+import gevent.event
 
 from epd_flask.control.roster import Instance, RosterError
 from epd_flask.control.sourcespecs import EtcdOptions
@@ -37,6 +38,8 @@ PING_INTERVAL = 2.0
 #: How long an admin write waits for this worker's watch to bring it back.
 WRITE_WAIT = 2.0
 SAVED_FILE = "discovery-etcd.json"
+#: Watch batches applied in a row before the offer greenlet gets a turn.
+YIELD_EVERY = 256
 
 
 def members_prefix(prefix: str) -> str:
@@ -66,11 +69,15 @@ class EtcdSource:
         self._watch: Watch | None = None
         self._greenlets: list[gevent.Greenlet] = []
         self._outage_logged = False
+        #: The revision of the records the live fleet was last given.
+        self.offered = 0
+        self._changed = gevent.event.Event()
 
     # -- running -------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._greenlets = [gevent.spawn(self._run), gevent.spawn(self._pinger)]
+        self._greenlets = [gevent.spawn(self._run), gevent.spawn(self._pinger),
+                           gevent.spawn(self._offerer)]
 
     def stop(self) -> None:
         gevent.killall(self._greenlets, block=True, timeout=2)
@@ -90,8 +97,10 @@ class EtcdSource:
                 read = True
                 backoff = MIN_BACKOFF
                 self._watch = self.client.watch(self.members, self.revision + 1)
-                for batch in self._watch:
+                for n, batch in enumerate(self._watch, 1):
                     self._apply(batch)
+                    if n % YIELD_EVERY == 0:  # a long backlog: let the fleet have some
+                        gevent.sleep(0)
                 if self._watch.closed:  # the pinger cut it: etcd stopped answering
                     raise EtcdError("etcd stopped answering the ping")
             except Compacted:
@@ -111,6 +120,16 @@ class EtcdSource:
                 backoff = min(backoff * 2, MAX_BACKOFF)
             finally:
                 first = False
+
+    def _offerer(self) -> None:
+        """Hands the live fleet the records whenever they changed. The watch greenlet applies
+        every event it has already received before this one runs (reading what is buffered
+        never yields), so a worker behind a burst of changes offers the fleet once for all
+        of them instead of once each; an event alone is offered as soon as it is read."""
+        while True:
+            self._changed.wait()
+            self._changed.clear()
+            self._offer(f"etcd revision {self.revision}")
 
     def _pinger(self) -> None:
         while True:
@@ -165,7 +184,7 @@ class EtcdSource:
                     self._records[event.key] = inst
                     self._raw[event.key] = inst.record()
             self.revision = max(self.revision, event.revision)
-        self._offer(f"etcd revision {self.revision}")
+        self._changed.set()
 
     def _parse(self, key: str, value: bytes) -> Instance | None:
         """A record, or None (logged with its key): one bad record never stops the others."""
@@ -181,9 +200,11 @@ class EtcdSource:
             return None
 
     def _offer(self, origin: str) -> None:
+        revision = self.revision
         instances = unique(list(self._records.values()), f"etcd prefix {self.members}")
         self.state.members = len(instances)
         self.context.live.offer(NAME, instances, origin)
+        self.offered = revision
 
     # -- the copy kept for a start without etcd ------------------------------------------
 
@@ -255,8 +276,8 @@ class EtcdSource:
         return next((i for i in self._records.values() if i.url == url), None)
 
     def _wait_for(self, revision: int) -> None:
-        """Until this worker's watch applied ``revision`` (bounded): the answer to an admin
-        write then describes what this worker routes by."""
+        """Until this worker's fleet has ``revision`` (bounded): the answer to an admin write
+        then describes what this worker routes by."""
         deadline = time.monotonic() + WRITE_WAIT
-        while self.revision < revision and time.monotonic() < deadline:
+        while self.offered < revision and time.monotonic() < deadline:
             gevent.sleep(0.005)
