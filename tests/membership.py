@@ -8,6 +8,7 @@ both), as the nginx and Prometheus tests do.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -122,6 +123,22 @@ class Etcd:
 
     def put_record(self, prefix: str, ident: str, record: dict[str, Any]) -> None:
         self.client.put(f"{prefix}instances/{ident}", json.dumps(record).encode())
+
+    def put_many(self, values: dict[str, bytes]) -> None:
+        """Many keys in transactions of etcd's default limit (128 operations each)."""
+        self._txn([{"request_put": {"key": base64.b64encode(k.encode()).decode(),
+                                    "value": base64.b64encode(v).decode()}}
+                   for k, v in values.items()])
+
+    def delete_many(self, keys: list[str]) -> None:
+        self._txn([{"request_delete_range": {"key": base64.b64encode(k.encode()).decode()}}
+                   for k in keys])
+
+    def _txn(self, ops: list[dict[str, Any]]) -> None:
+        for start in range(0, len(ops), 128):
+            answer = requests.post(self.url + "/v3/kv/txn",
+                                   json={"success": ops[start:start + 128]}, timeout=10)
+            answer.raise_for_status()
 
     def clear(self, prefix: str) -> None:
         for kv in self.client.range_prefix(prefix)[1]:
