@@ -362,6 +362,8 @@ def _mooncake_pair() -> list[VllmServer]:
 
 TOPOLOGIES: dict[str, Callable[[], list[VllmServer]]] = {
     "nixl": _nixl,
+    # The same pair, for a test that stops one of them: never shared with another module.
+    "nixl-registered": _nixl,
     "mooncake": _mooncake,
     "mooncake-pair": _mooncake_pair,
     "example": _example,
@@ -415,7 +417,8 @@ class Fleet:
             self.current.stop()
             self.current = None
 
-    def proxy(self, roster: dict[str, Any], workers: int = 1) -> Process:
+    def proxy(self, roster: dict[str, Any], workers: int = 1,
+              env: dict[str, str] | None = None) -> Process:
         """epd-flask under gunicorn (gevent workers, the project's config) over ``roster``."""
         assert self.current is not None
         port = vllm_port()
@@ -426,7 +429,7 @@ class Fleet:
         proc = Process(name, [sys.executable, "-m", "gunicorn", "-c", "etc/gunicorn.conf.py",
                               "wsgi:app"],
                        {"EPD_ROSTER": str(roster_file), "PORT": str(port),
-                        "EPD_WORKERS": str(workers), "EPD_LOG_LEVEL": "info"},
+                        "EPD_WORKERS": str(workers), "EPD_LOG_LEVEL": "info", **(env or {})},
                        f"http://127.0.0.1:{port}")
         self.current.proxies.append(proc)
         try:
