@@ -99,9 +99,11 @@ class Watch:
         self._response = response
         self.endpoint = endpoint
         self.closed = False
+        self._reading = False
 
     def __iter__(self) -> Iterator[list[Event]]:
         buffer = b""
+        self._reading = True
         try:
             for chunk in self._response.stream(None):
                 buffer += chunk
@@ -115,6 +117,10 @@ class Watch:
             if not self.closed:
                 self.close()
                 raise EtcdError(f"watch stream broke: {exc}") from None
+        finally:
+            self._reading = False
+            if self.closed:  # closed from elsewhere while this read: release it here
+                self._release()
         if not self.closed:
             self.close()
             raise EtcdError("watch stream ended")
@@ -148,8 +154,13 @@ class Watch:
         # stream ended by itself (the connection went back to the pool).
         with contextlib.suppress(OSError, RuntimeError):
             self._response.shutdown()
-        self._response.release_conn()
-        self._response.close()
+        if not self._reading:  # a reader inside the stream closes it itself when it wakes
+            self._release()
+
+    def _release(self) -> None:
+        with contextlib.suppress(OSError, RuntimeError):
+            self._response.release_conn()
+            self._response.close()
 
 
 class EtcdClient:

@@ -149,7 +149,9 @@ def test_etcd_watched_endpoint_gone_silent_fails_over_to_one_that_answers(
         assert eventually(lambda: offers.urls == ["http://127.0.0.1:9061",
                                                   "http://127.0.0.1:9062"],
                           seconds=PING_INTERVAL + 2 * TIMEOUT + MAX_BACKOFF)
-        assert source._watch.endpoint == other.url and source.state.up
+        assert eventually(lambda: source._watch is not None
+                          and source._watch.endpoint == other.url and not source._watch.closed)
+        assert source.state.up
         etcd.client.delete(f"{prefix}instances/a")  # and it follows from there
         assert eventually(lambda: offers.urls == ["http://127.0.0.1:9062"])
     finally:

@@ -134,16 +134,23 @@ class EtcdSource:
     def _pinger(self) -> None:
         while True:
             gevent.sleep(PING_INTERVAL)
-            watch = self._watch
-            if watch is not None and not watch.closed:
-                try:
-                    self.client.ping(watch.endpoint)
-                except EtcdError as exc:  # read again from any endpoint that answers
-                    logger.warning("etcd %s stopped answering under the watch (%s); "
-                                   "reading again", watch.endpoint, exc)
-                    self.client.demote(watch.endpoint)
-                    watch.close()
-            self._save()
+            try:
+                self._ping()
+                self._save()
+            except Exception:  # the loop must outlive any failure
+                logger.exception("etcd ping failed unexpectedly")
+
+    def _ping(self) -> None:
+        watch = self._watch
+        if watch is None or watch.closed:
+            return
+        try:
+            self.client.ping(watch.endpoint)
+        except EtcdError as exc:  # read again from any endpoint that answers
+            logger.warning("etcd %s stopped answering under the watch (%s); reading again",
+                           watch.endpoint, exc)
+            self.client.demote(watch.endpoint)
+            watch.close()
 
     def _down(self, why: str) -> None:
         if self.state.set(False, why) or not self._outage_logged:
