@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import runpy
+import shlex
 import shutil
 import subprocess
 import sys
@@ -92,6 +93,55 @@ def test_installed_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
     result = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True,
                             text=True, timeout=60)
     # Unknown or misspelled keys are only warnings: any output at all is a finding.
+    assert result.returncode == 0 and result.stderr.strip() == "", result.stderr
+
+
+def register_unit(prefix: str = "/opt/epd-flask") -> tuple[dict[str, list[str]], dict[str, str],
+                                                         str]:
+    """etc/epd-flask-register@.service: its [Service] section (continuation lines joined),
+    the example settings file its comment shows, and its text with the install prefix
+    replaced."""
+    text = (ETC / "epd-flask-register@.service").read_text().replace("/opt/epd-flask", prefix)
+    service = unit_file(re.sub(r"\\\n\s*", " ", text))["Service"]
+    example = dict(m.groups() for m in re.finditer(r"^#\s+(EPD_REGISTER_\w+)=(.*)$", text, re.M))
+    return service, example, text
+
+
+def test_register_unit_runs_the_installed_command_on_its_example() -> None:
+    """The example settings file, expanded as systemd does (``${X}`` one word, ``$X`` split),
+    is a registration ``epd-flask register`` accepts; SIGTERM (which withdraws the record)
+    stops it, as the unprivileged user, restarting it after any exit."""
+    from epd_flask.fleet import registrant
+
+    service, example, _ = register_unit()
+    assert set(example) >= {"EPD_REGISTER_ETCD", "EPD_REGISTER_PREFIX", "EPD_REGISTER_ROLE",
+                            "EPD_REGISTER_URL", "EPD_REGISTER_ARGS"}
+    line = re.sub(r"\$\{(\w+)\}", lambda m: shlex.quote(example[m.group(1)]),
+                  service["ExecStart"][0])
+    line = re.sub(r"\$(\w+)", lambda m: example[m.group(1)], line)
+    argv = shlex.split(line)
+    assert argv[:2] == ["/opt/epd-flask/venv/bin/epd-flask", "register"]
+    parser, fields = registrant.build_parser()
+    opts = parser.parse_args(argv[2:])
+    record = registrant.record_of(opts, fields)
+    assert record.role == example["EPD_REGISTER_ROLE"]
+    assert record.url == example["EPD_REGISTER_URL"]
+    assert service["KillSignal"] == ["SIGTERM"] and service["Restart"] == ["always"]
+    assert service["User"][0] not in ("", "root")
+    assert service["EnvironmentFile"] == ["/etc/epd-flask/register/%i.env"]
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze missing")
+def test_register_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
+    prefix = tmp_path / "opt"
+    (prefix / "venv").mkdir(parents=True)
+    (prefix / "venv" / "bin").symlink_to(Path(sys.executable).parent)
+    _, _, text = register_unit(str(prefix))
+    unit = tmp_path / "epd-flask-register@decode-0.service"
+    unit.write_text(text.replace("User=epd-flask", "User=epd-test")
+                    .replace("Group=epd-flask", "Group=epd-test"))
+    result = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True,
+                            text=True, timeout=60)
     assert result.returncode == 0 and result.stderr.strip() == "", result.stderr
 
 
