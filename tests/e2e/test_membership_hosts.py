@@ -107,15 +107,15 @@ def test_a_killed_registrant_leaves_every_worker_and_no_request_fails(
         runner = gevent.spawn(load)
         os.killpg(procs[1].pid, signal.SIGKILL)  # the instance itself keeps running
         procs[1].wait()
-        killed = time.monotonic()
-        gevent.sleep(5)
+        # Gone with its lease (3 s), from every worker of both hosts.
+        assert eventually(lambda: everywhere(hosts, lambda u: goes.url not in u
+                                             and stays.url in u), seconds=10)
         served = goes.stats()["completions"]
         gevent.sleep(1)
         done.set()
         runner.get(timeout=15)
-        assert everywhere(hosts, lambda u: goes.url not in u and stays.url in u)
-        assert goes.stats()["completions"] == served  # nothing routed there 5 s on
-        assert time.monotonic() - killed >= 5 and failures == []
+        assert goes.stats()["completions"] == served  # nothing routed there since
+        assert failures == []
     finally:
         for p in procs:
             if p.poll() is None:
@@ -131,7 +131,7 @@ def test_an_etcd_outage_changes_nothing_and_later_writes_reach_every_worker(
     assert eventually(lambda: everywhere(hosts, lambda u: d1.url in u))
     etcd.stop()
     stopped = time.monotonic()
-    while time.monotonic() - stopped < 10:
+    while time.monotonic() - stopped < 5:
         for h in hosts:
             assert requests.post(h.url + "/v1/chat/completions", json=CHAT, timeout=10).ok
         gevent.sleep(0.2)

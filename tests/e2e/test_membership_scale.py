@@ -1,7 +1,8 @@
 """A large, busy etcd membership through real gunicorn (two gevent workers;
 docs/behaviour.md#discovery): 1,000 records read at start by every worker, then records put,
-changed and deleted at a steady rate. Every worker ends with exactly the records etcd holds;
-/health keeps answering throughout; the workers' memory does not grow with the changes.
+changed and deleted at 50 a second (5 s by default, 60 s under ``slow``). Every worker ends
+with exactly the records etcd holds; /health keeps answering throughout; over the minute, the
+workers' memory does not grow with the changes.
 
 The figures (time to converge, /health latency, RSS) are printed, not asserted: they are
 measurements of this box's moment (docs/benchmarks.md's rule). What is asserted is that every
@@ -105,7 +106,9 @@ def spread(latencies: list[float]) -> str:
             f"max {max(latencies) * 1000:.1f} ms")
 
 
-def churn(tmp_path: Path, seconds: float) -> None:
+def churn(tmp_path: Path, seconds: float, memory_bound: bool) -> None:
+    """``memory_bound``: see every address of the pool first, and hold RSS to the bound (a
+    run long enough for the status page's history to sample it a few times)."""
     (tmp_path / "etcd").mkdir()
     etcd = Etcd(tmp_path / "etcd").start()
     launcher = Launcher(tmp_path)
@@ -126,16 +129,17 @@ def churn(tmp_path: Path, seconds: float) -> None:
                    what=lambda: f"every worker with {RECORDS} instances: "
                                 f"{ {p: len(u) for p, u in worker_views(state, workers).items()} }")
         converged = time.monotonic() - started
-        spare = {n: record(n) for n in range(RECORDS, POOL)}
-        etcd.put_many({key(n): json.dumps(r).encode() for n, r in spare.items()})
-        everyone = expected | {r["url"] for r in spare.values()}
-        eventually(lambda: (v := worker_views(state, workers)) and len(v) == 2
-                   and all(urls == everyone for urls in v.values()), seconds=60,
-                   what="every worker with the whole pool")
-        etcd.delete_many([key(n) for n in spare])
-        eventually(lambda: (v := worker_views(state, workers)) and len(v) == 2
-                   and all(urls == expected for urls in v.values()), seconds=60,
-                   what=f"every worker back to {RECORDS}")
+        if memory_bound:
+            spare = {n: record(n) for n in range(RECORDS, POOL)}
+            etcd.put_many({key(n): json.dumps(r).encode() for n, r in spare.items()})
+            everyone = expected | {r["url"] for r in spare.values()}
+            eventually(lambda: (v := worker_views(state, workers)) and len(v) == 2
+                       and all(urls == everyone for urls in v.values()), seconds=60,
+                       what="every worker with the whole pool")
+            etcd.delete_many([key(n) for n in spare])
+            eventually(lambda: (v := worker_views(state, workers)) and len(v) == 2
+                       and all(urls == expected for urls in v.values()), seconds=60,
+                       what=f"every worker back to {RECORDS}")
 
         latencies: list[float] = []
         failures: list[str] = []
@@ -210,17 +214,18 @@ def churn(tmp_path: Path, seconds: float) -> None:
         assert applied
         assert set(served) == workers and all(s == want for s in served.values())
         assert not failures, failures[:5]
-        for pid in workers:
-            assert late[pid] - early[pid] < RSS_GROWTH_BOUND, (pid, early[pid], late[pid])
+        if memory_bound:
+            for pid in workers:
+                assert late[pid] - early[pid] < RSS_GROWTH_BOUND, (pid, early[pid], late[pid])
     finally:
         launcher.stop_all()
         etcd.stop()
 
 
 def test_a_thousand_records_and_their_changes_reach_every_worker(tmp_path: Path) -> None:
-    churn(tmp_path, 10.0)
+    churn(tmp_path, 5.0, memory_bound=False)
 
 
 @pytest.mark.slow
 def test_a_minute_of_fifty_changes_a_second_over_a_thousand_records(tmp_path: Path) -> None:
-    churn(tmp_path, 60.0)
+    churn(tmp_path, 60.0, memory_bound=True)
