@@ -15,7 +15,7 @@ from werkzeug.exceptions import HTTPException
 from epd_flask.control.config import ProxyConfig
 from epd_flask.control.reload import boot_roster
 from epd_flask.control.roles import PREFILL
-from epd_flask.control.roster import Roster
+from epd_flask.control.roster import ADMITTED_ROLES, Roster
 from epd_flask.control.statedir import StateDir
 from epd_flask.control.urlpolicy import URLPolicy
 from epd_flask.core import errors
@@ -25,17 +25,21 @@ from epd_flask.fleet.bootstrap import BootstrapDiscovery
 from epd_flask.fleet.kvaware import Tokenizer
 from epd_flask.fleet.kvevents import KVEvents
 from epd_flask.fleet.live import LiveFleet
+from epd_flask.fleet.loadboard import LoadBoard
 from epd_flask.fleet.prober import Prober
 from epd_flask.fleet.registry import Registry
 from epd_flask.fleet.rostersync import RosterSync
-from epd_flask.fleet.routing import Router
+from epd_flask.fleet.routing import LiveInstances, Router
+from epd_flask.fleet.saturation import Capacity, RoomySource
 from epd_flask.fleet.sources import Context as SourceContext
 from epd_flask.fleet.sources import build as build_sources
 from epd_flask.observe import metrics
 from epd_flask.observe.tracing import TraceSettings, Tracing
 from epd_flask.serving import context
+from epd_flask.serving.admission import AdmissionGate
 from epd_flask.serving.connectors import connector_class
 from epd_flask.serving.pipeline import Pipeline
+from epd_flask.serving.redisstore import Limiter
 from epd_flask.upstream.tls import TLSFiles
 from epd_flask.upstream.transport import Transport
 from epd_flask.web.edge import KeyRing
@@ -70,13 +74,20 @@ def build_services(config: ProxyConfig, roster: Roster, generation: int = 0, *,
     kv_events = KVEvents(live.registry)
     connector = connector_class(settings.connector)()
     discovery = BootstrapDiscovery(live, transport) if connector.bootstrap else None
-    router = Router(live, sources={PREFILL: discovery} if discovery is not None else None,
+    # Admission (docs/behaviour.md#admission): every role a request may wait for routes
+    # among the instances with room first.
+    capacity = Capacity(live, LoadBoard(config.state_dir))
+    sources = {role: RoomySource(discovery if role == PREFILL and discovery is not None
+                                 else LiveInstances(live), capacity) for role in ADMITTED_ROLES}
+    router = Router(live, sources=sources,
                     pictures=kv_events.picture, no_pictures=kv_events.missing,
                     tokenizer=Tokenizer(transport, lambda: live.settings.kv_tokenize_timeout,
                                         backend_auth),
                     seed=seed)
     pipeline = Pipeline(live, router, transport, connector,
                         max_event_bytes=config.max_event_bytes)
+    admission = AdmissionGate(live, pipeline.catalog, capacity, Limiter(config.state_dir),
+                              connector.recomputes)
     prober = Prober(live, transport, models_headers=backend_auth)
     state = StateDir(config.state_dir) if config.state_dir else None
     roster_sync = RosterSync(live, config.roster_path, state)
@@ -84,11 +95,12 @@ def build_services(config: ProxyConfig, roster: Roster, generation: int = 0, *,
     traced = TraceSettings.from_config(config)
     svc = Services(config, live, router, transport, pipeline, prober, roster_sync,
                    inflight, Drain(inflight, config.drain_idle_grace), discovery,
-                   keys=KeyRing(config.api_keys),
+                   keys=KeyRing(config.api_keys, config.key_tenants),
                    url_policy=URLPolicy.build(config.instance_schemes,
                                               config.instance_networks),
                    history=metrics.History(), kv_events=kv_events,
-                   tracing=Tracing(traced) if traced is not None else None)
+                   tracing=Tracing(traced) if traced is not None else None,
+                   admission=admission)
     # The policy is read at each record: the server's own addresses join it after the build.
     svc.sources = build_sources(roster.sources,
                                 SourceContext(live, lambda: svc.url_policy, state))

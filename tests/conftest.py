@@ -28,6 +28,7 @@ from epd_flask.observe import metrics
 from epd_flask.sim import SimConfig, SimServer
 from tests.fakes import FakeUpstream, Handler, upstreams
 from tests.helpers import NoDelayHandler
+from tests.redisserver import redis_server  # noqa: F401  (a fixture: a real Redis)
 
 
 class Proxy:

@@ -11,19 +11,24 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import field, make_dataclass
+from types import MappingProxyType
 from typing import Any
 
 from epd_flask.control import settings
+from epd_flask.control.roster import TENANT_NAME
 
 
 class _Checks:
     """What a generated ``ProxyConfig`` does beyond holding values: the checks that span
     several variables, and the serving keys of ``EPD_API_KEYS_FILE`` joined to
     ``api_keys`` (in the constructor, so a config built from keyword arguments gets them
-    too)."""
+    too), with the tenant each key of the file names (``key_tenants``)."""
 
     admin_api_key: str | None
     api_keys: tuple[str, ...]
+    #: The tenant a serving key belongs to, for the keys the file names one for
+    #: (docs/behaviour.md#admission).
+    key_tenants: Mapping[str, str]
     api_keys_file: str | None
     admin_prefix: str
     upstream_client_cert: str | None
@@ -32,9 +37,13 @@ class _Checks:
     otel_bsp_max_queue_size: int
 
     def __post_init__(self) -> None:
+        tenants: dict[str, str] = {}
         if self.api_keys_file:
+            entries = _file_keys(self.api_keys_file)
             object.__setattr__(self, "api_keys", tuple(dict.fromkeys(
-                (*self.api_keys, *_file_keys(self.api_keys_file)))))
+                (*self.api_keys, *(key for key, _ in entries)))))
+            tenants = {key: tenant for key, tenant in entries if tenant}
+        object.__setattr__(self, "key_tenants", MappingProxyType(tenants))
         object.__setattr__(self, "admin_prefix", self.admin_prefix.strip())
         if self.admin_api_key and self.admin_api_key in self.api_keys:
             raise ValueError("ADMIN_API_KEY must not also be a serving key in EPD_API_KEYS; "
@@ -59,15 +68,27 @@ class _Checks:
         return cls(**{v.attribute: v.read(environ) for v in APP_VARS})
 
 
-def _file_keys(path: str) -> list[str]:
-    """Serving keys mounted from a secret: one per line, ``#`` comments."""
+def _file_keys(path: str) -> list[tuple[str, str | None]]:
+    """Serving keys mounted from a secret: one per line, ``#`` comments; a line may name the
+    key's tenant after it (``<key> <tenant>``)."""
     try:
         with open(path, encoding="utf-8") as fh:
             lines = fh.read().splitlines()
     except OSError as exc:
         raise ValueError(f"EPD_API_KEYS_FILE {path} cannot be read: "
                          f"{exc.strerror or exc}") from None
-    return [s.strip() for s in lines if s.strip() and not s.lstrip().startswith("#")]
+    entries: list[tuple[str, str | None]] = []
+    for number, line in enumerate(lines, 1):
+        words = line.split()
+        if not words or words[0].startswith("#"):
+            continue
+        if len(words) > 2 or (len(words) == 2 and not TENANT_NAME.fullmatch(words[1])):
+            # Never quote the line: it holds a key.
+            raise ValueError(f"EPD_API_KEYS_FILE {path} line {number}: expected '<key>' or "
+                             "'<key> <tenant>' (a tenant name is 1 to 64 letters, digits and "
+                             "'_.:-')")
+        entries.append((words[0], words[1] if len(words) == 2 else None))
+    return entries
 
 
 def _annotation(var: settings.EnvVar) -> Any:

@@ -168,8 +168,12 @@ def post_worker_init(worker):
 
 
 def child_exit(server, worker):
-    """A dead worker's live gauges (in-flight calls) must not be summed any more."""
+    """A dead worker's live gauges (in-flight calls) and its requests per instance
+    (fleet/loadboard.py) must not be summed any more."""
     metricsdir.mark_process_dead(worker.pid)
+    reloader = _epd_reload.of(server)
+    if reloader is not None:
+        reloader.state.forget_worker(worker.pid)
 
 
 def on_exit(server):

@@ -16,7 +16,7 @@ import re
 import stat
 import sys
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
@@ -26,10 +26,10 @@ from pydantic_core import PydanticCustomError
 
 from epd_flask.control import connectorspecs, policyspecs, sourcespecs
 from epd_flask.control import settings as declared
-from epd_flask.control.roles import PREFILL, PREFILL_DECODE, ROLES, SPLIT
+from epd_flask.control.roles import DECODE, PREFILL, PREFILL_DECODE, ROLES, SPLIT
 
 #: The keys of a roster document; a file with others is some other file.
-TOP_LEVEL_KEYS = ("settings", "discovery", "instances")
+TOP_LEVEL_KEYS = ("settings", "discovery", "tenants", "instances")
 #: The address an ``instance:`` template of a DNS entry is checked with (TEST-NET-1).
 SAMPLE_HOST = "192.0.2.1"
 #: Flow brackets deeper than this are refused before parsing; a roster nests four levels.
@@ -42,9 +42,19 @@ MAX_MODELS = 1024
 #: side of the slash) or a model's local path; anything longer is pasted text.
 MAX_MODEL_NAME = 512
 _QUOTED = re.compile(r"'[^'\n]*'")
+#: The most tenants a roster names: each is a label value of the admission metrics.
+MAX_TENANTS = 256
+#: A tenant's name: it is a metric label, a key of the shared rate-limit store and a word of
+#: the API keys file, so it is short and plain.
+TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")
+#: The tenant of a request nothing else names (docs/behaviour.md#admission).
+DEFAULT_TENANT = "default"
+#: The schemes of ``admission.store``: Redis over TCP, over TLS, or a UNIX socket.
+STORE_SCHEMES = ("redis", "rediss", "unix")
 
 Role = Literal[ROLES]
 PrefillFailure = Literal[declared.PREFILL_FAILURES]
+Priority = Literal[declared.PRIORITIES]
 
 
 class RosterError(ValueError):
@@ -81,6 +91,9 @@ class Instance(_Strict):
     #: The model names (LoRA adapters included) this instance serves, as clients name them.
     #: None: discovered from the instance's ``/v1/models`` (docs/behaviour.md#models).
     models: tuple[str, ...] | None = None
+    #: Requests this proxy host may have running on the instance at once; with admission,
+    #: more wait in the proxy's queue (docs/behaviour.md#admission). None: no bound.
+    max_concurrency: int | None = Field(default=None, ge=1, le=1_000_000)
 
     @field_validator("models")
     @classmethod
@@ -217,6 +230,42 @@ def _known_policies(cls: Any, value: Any) -> Any:
     return value
 
 
+def _store_url(cls: Any, value: Any) -> Any:
+    """``admission.store`` names a Redis server: checked here, in the master, so a typo stops
+    a reload instead of leaving every host on its own counters."""
+    if not isinstance(value, str) or not value:
+        return value
+    _printable(value)
+    parts = urlsplit(value)
+    if parts.scheme not in STORE_SCHEMES:
+        raise ValueError(f"must be a {', '.join(s + '://' for s in STORE_SCHEMES)} URL, got "
+                         f"scheme {parts.scheme or '(none)'!r}")
+    try:
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number
+    except ValueError:
+        raise ValueError("has an invalid port") from None
+    if parts.scheme != "unix" and not parts.hostname:
+        raise ValueError("must name the Redis host")
+    return value
+
+
+def _field(setting: declared.RosterSetting) -> tuple[Any, Any]:
+    """A declared setting as a pydantic field; one with keys of its own as a model of them,
+    absent by default."""
+    if setting.keys:
+        return (_nested(setting) | None, Field(default=None, description=setting.help))
+    return (setting.type, Field(default=setting.default, description=setting.help,
+                                **setting.bounds()))
+
+
+def _nested(setting: declared.RosterSetting) -> Any:
+    validators = {"_store_url": field_validator("store")(_store_url)} \
+        if setting.name == "admission" else {}
+    return create_model(
+        setting.name.title(), __base__=_Strict, __module__=__name__, __doc__=setting.help,
+        __validators__=validators, **{k.name: _field(k) for k in setting.keys})
+
+
 #: Fleet-wide behaviour; every value has a default an operator can start from. Generated from
 #: the declarations in ``settings.py`` (type, default, bounds, help), which the README's
 #: table is checked against.
@@ -226,9 +275,36 @@ Settings = create_model(
     __validators__={
         "_known_connector": field_validator("connector", mode="before")(_known_connector),
         "_known_policies": field_validator("routing", mode="before")(_known_policies)},
-    **{s.name: (s.type, Field(default=s.default, description=s.help, **s.bounds()))
-       for s in declared.ROSTER.values()},
+    **{s.name: _field(s) for s in declared.ROSTER.values()},
 )
+#: The ``admission:`` block of ``settings:`` (docs/behaviour.md#admission).
+Admission = Settings.model_fields["admission"].annotation.__args__[0]  # type: ignore[union-attr]
+
+
+class Tenant(_Strict):
+    """One tenant of the fleet: its class and share when capacity is short, and its rate
+    limits (docs/behaviour.md#admission)."""
+
+    weight: float = Field(default=1.0, gt=0, le=1_000_000)
+    priority: Priority = "normal"
+    requests_per_minute: int | None = Field(default=None, ge=1)
+    tokens_per_minute: int | None = Field(default=None, ge=1)
+
+    @property
+    def limited(self) -> bool:
+        return self.requests_per_minute is not None or self.tokens_per_minute is not None
+
+
+def _tenant_names(cls: Any, value: Any) -> Any:
+    if isinstance(value, dict):
+        if len(value) > MAX_TENANTS:
+            raise ValueError(f"names {len(value)} tenants, more than {MAX_TENANTS}")
+        for name in value:
+            if not isinstance(name, str) or not TENANT_NAME.fullmatch(name):
+                raise ValueError(
+                    f"tenant name {str(name)[:80]!r} must be 1 to 64 letters, digits and "
+                    "'_.:-', starting with a letter or digit")
+    return value
 
 
 #: Where else the fleet's members come from (docs/behaviour.md#discovery): one optional
@@ -243,13 +319,26 @@ Discovery = create_model(
 class Roster(_Strict):
     settings: Settings = Settings()
     discovery: Discovery = Discovery()
+    tenants: dict[str, Tenant] = Field(default_factory=dict)
     instances: tuple[Instance, ...] = ()
+
+    _tenant_names = field_validator("tenants", mode="before")(_tenant_names)
 
     @property
     def sources(self) -> dict[str, Any]:
         """The membership sources this roster configures, by name, with their options."""
         return {name: value for name in sourcespecs.SOURCES
                 if (value := getattr(self.discovery, name)) not in (None, ())}
+
+    def tenant(self, name: str) -> Tenant:
+        """``name``'s record; ``default`` (weight 1, normal) when the roster lists none."""
+        return tenant_of(self.tenants, name)
+
+    @property
+    def admission(self) -> bool:
+        """Whether requests pass admission control at all: the roster configures it, names
+        tenants or bounds an instance's concurrency (docs/behaviour.md#admission)."""
+        return admits(self.settings, self.tenants, self.instances)
 
     def by_role(self, role: str) -> list[Instance]:
         return [i for i in self.instances if i.role == role]
@@ -258,6 +347,24 @@ class Roster(_Strict):
     def combined(self) -> bool:
         """True when decode work goes to prefill_decode instances (no separate prefill)."""
         return any(i.role == PREFILL_DECODE for i in self.instances)
+
+
+def tenant_of(tenants: Mapping[str, Tenant], name: str) -> Tenant:
+    """``name``'s record; ``default``'s when the roster does not list it (weight 1, normal
+    and unlimited when it lists no ``default`` either)."""
+    found = tenants.get(name)
+    if found is None:
+        found = tenants.get(DEFAULT_TENANT) or DEFAULT_RECORD
+    return found
+
+
+DEFAULT_RECORD = Tenant()
+
+
+def admits(settings: Any, tenants: Mapping[str, Tenant], instances: Iterable[Instance]) -> bool:
+    """Whether requests pass admission control (docs/behaviour.md#admission)."""
+    return settings.admission is not None or bool(tenants) \
+        or any(i.max_concurrency is not None for i in instances)
 
 
 def check_rules(roster: Roster) -> None:
@@ -365,8 +472,17 @@ def check_ec_consumers(roster: Roster) -> None:
             )
 
 
+#: The roles whose instances a request waits for when they are full.
+ADMITTED_ROLES = (PREFILL, DECODE, PREFILL_DECODE)
+
+
 def check_instance(inst: Instance) -> None:
     """Rules within one record that its fields alone cannot express (docs/behaviour.md#roster)."""
+    if inst.max_concurrency is not None and inst.role not in ADMITTED_ROLES:
+        raise RosterError(
+            f"instance {inst.url} ({inst.role}): max_concurrency bounds the requests an "
+            "instance that computes prompts or tokens runs (prefill, decode, prefill_decode); "
+            "an encoder's calls are not queued. Remove it here")
     if inst.ec_zmq_addrs is not None and len(inst.ec_zmq_addrs) != inst.dp_size:
         raise RosterError(
             f"instance {inst.url}: ec_zmq_addrs has {len(inst.ec_zmq_addrs)} entries but "
@@ -386,7 +502,8 @@ def parse(doc: Any, source: str = "<roster>", text: str | None = None) -> Roster
         doc = {}
     if not isinstance(doc, dict):
         raise RosterError(f"{source}: the top level must be a mapping with 'instances' and "
-                          f"optional 'settings' and 'discovery', got {type(doc).__name__}")
+                          f"optional 'settings', 'discovery' and 'tenants', got "
+                          f"{type(doc).__name__}")
     foreign = [k for k in doc if k not in TOP_LEVEL_KEYS]
     if foreign:
         what = _foreign_keys(foreign, text) if len(foreign) < len(doc) \
@@ -574,6 +691,9 @@ def _describe(error: Any, doc: dict[str, Any]) -> str:
         where = "discovery." + ".".join(str(p) for p in loc[1:])
         if len(loc) > 2 and loc[1] == "dns" and isinstance(loc[2], int):
             where = f"discovery.dns[{loc[2]}]" + "".join(f".{p}" for p in loc[3:])
+    elif loc and loc[0] == "tenants" and len(loc) > 1:
+        where = f"tenants.{loc[1]}" + (f" field {'.'.join(str(p) for p in loc[2:])!r}"
+                                       if len(loc) > 2 else "")
     return f"{where}: {_message(error)}"
 
 

@@ -31,6 +31,10 @@ LOG_LEVELS = ("debug", "info", "warning", "warn", "error", "critical")
 #: worker at its cap still accepts connections to refuse quickly and to answer probes.
 IN_FLIGHT_SHARE = 0.9
 PREFILL_FAILURES = ("fail", "recompute")
+#: A tenant's class (docs/behaviour.md#admission): strictly in this order, first served first.
+PRIORITIES = ("high", "normal", "low")
+#: What weighted fair sharing among a class's tenants counts (docs/behaviour.md#admission).
+SHARE_BY = ("requests", "tokens")
 #: The example roster shipped inside the package (in a checkout, a link to etc/roster.yaml):
 #: what a server started with no roster named serves, a simulated prefill on :8100 and decode
 #: on :8200.
@@ -130,6 +134,9 @@ class RosterSetting:
     gt: float | None = None
     le: float | None = None
     shown: str | None = None
+    #: A setting that is a mapping of settings of its own (``admission``): absent, the
+    #: feature is off; present, each key has its default.
+    keys: tuple[RosterSetting, ...] = ()
 
     def bounds(self) -> dict[str, float]:
         return {k: v for k, v in (("ge", self.ge), ("gt", self.gt), ("le", self.le))
@@ -286,6 +293,28 @@ _ENV_VARS = (
            "milliseconds between exports of a batch not yet full", (APP,)),
 )
 
+_ADMISSION_KEYS = (
+    RosterSetting("queue_timeout", float, 30.0,
+                  "a request may wait this long for capacity, then 503 `overloaded`",
+                  "seconds", gt=0, le=3600),
+    RosterSetting("max_queue", int, 1000,
+                  "requests one worker keeps waiting; beyond it 503 `overloaded` at once",
+                  "requests", ge=0, le=100_000),
+    RosterSetting("tenant_header", str, "",
+                  "a trusted request header naming the tenant", shown="none"),
+    RosterSetting("store", str, "",
+                  "redis:// URL of the rate-limit counters every proxy host shares",
+                  shown="none (per host)"),
+    RosterSetting("forward_priority", bool, False,
+                  "set vLLM's `priority` from the tenant's class"),
+    RosterSetting("share_by", Literal[SHARE_BY], "requests",
+                  "what a tenant's weighted share counts: requests, or their tokens"),
+)
+
+#: The roster's top-level ``tenants:`` keys, per tenant (docs/behaviour.md#admission).
+TENANT_KEYS = ("weight", "priority", "requests_per_minute", "tokens_per_minute")
+
+
 _ROSTER_SETTINGS = (
     # A name declared in connectorspecs.py; roster.py checks it against that list.
     RosterSetting("connector", str, "nixl",
@@ -354,6 +383,10 @@ _ROSTER_SETTINGS = (
     RosterSetting("disaggregate_min_prompt_tokens", int, 0,
                   "prompts leaving decode fewer tokens to compute skip prefill; 0 = never",
                   "tokens", ge=0),
+    # Absent (the default), nothing waits and nothing is counted: requests go out as they
+    # arrive (docs/behaviour.md#admission).
+    RosterSetting("admission", None, None,
+                  "queue requests for capacity; tenants' limits and shares", keys=_ADMISSION_KEYS),
 )
 
 
@@ -370,6 +403,20 @@ def _index(items: Iterable[Any]) -> dict[str, Any]:
 ENV: dict[str, EnvVar] = _index(_ENV_VARS)
 #: The roster's ``settings:`` keys by name.
 ROSTER: dict[str, RosterSetting] = _index(_ROSTER_SETTINGS)
+#: ``admission:``'s keys by name.
+ADMISSION: dict[str, RosterSetting] = _index(_ADMISSION_KEYS)
+
+
+def roster_rows() -> dict[str, RosterSetting]:
+    """Every key an operator may write under ``settings:``, a nested one as
+    ``admission.queue_timeout``: the README's table has one row each."""
+    rows: dict[str, RosterSetting] = {}
+    for setting in ROSTER.values():
+        if setting.keys:
+            rows.update((f"{setting.name}.{key.name}", key) for key in setting.keys)
+        else:
+            rows[setting.name] = setting
+    return rows
 
 
 def read(name: str, environ: Environ | None = None) -> Any:

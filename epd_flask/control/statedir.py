@@ -36,6 +36,11 @@ LOCK_FILE = "lock"
 RELOADS_FILE = "reloads.json"
 HEALTH_PREFIX = "health-"
 HEALTH_SUFFIX = ".json"
+#: Each worker's requests per instance (fleet/loadboard.py): ``load-<pid>[-<n>].bin``.
+LOAD_PREFIX = "load-"
+LOAD_SUFFIX = ".bin"
+#: The host's rate-limit counters when no shared store answers (serving/ratelimit.py).
+RATE_FILE = "ratelimit.bin"
 LOCK_TIMEOUT = 5.0
 LOCK_POLL = 0.01
 
@@ -213,7 +218,15 @@ class StateDir:
                 pid = int(path.name[len(HEALTH_PREFIX):-len(HEALTH_SUFFIX)].split("-", 1)[0])
             except ValueError:
                 continue
-            if pid != keep and not _running(pid):
+            if pid != keep and not running(pid):
+                with contextlib.suppress(OSError):
+                    path.unlink()
+
+
+    def forget_worker(self, pid: int) -> None:
+        """A reaped worker's load file: its requests ended with it."""
+        for path in self.path.glob(f"{LOAD_PREFIX}{pid}*{LOAD_SUFFIX}"):
+            if path.name[len(LOAD_PREFIX):-len(LOAD_SUFFIX)].split("-", 1)[0] == str(pid):
                 with contextlib.suppress(OSError):
                     path.unlink()
 
@@ -276,7 +289,8 @@ def atomic_write(path: str | os.PathLike[str], data: bytes) -> None:
             os.close(dir_fd)
 
 
-def _running(pid: int) -> bool:
+def running(pid: int) -> bool:
+    """Whether process ``pid`` exists (a worker whose files still count)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

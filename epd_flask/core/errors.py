@@ -23,6 +23,8 @@ class ProxyError(Exception):
     request_id: str | None = None
     #: Seconds a client should wait before trying again (sent as ``Retry-After``), if any.
     retry_after: int | None = None
+    #: Further headers the error response carries (a tenant's rate limits).
+    headers: tuple[tuple[str, str], ...] = ()
 
     def __init__(
         self,
@@ -157,6 +159,19 @@ class Overloaded(ProxyError):
     retry_after = 1
 
 
+class RateLimited(ProxyError):
+    """Over the tenant's rate limit (docs/behaviour.md#admission): OpenAI's 429, whose
+    ``type`` names the limit reached (``requests`` or ``tokens``), with ``Retry-After``."""
+
+    status = 429
+    type = "requests"
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, kind: str = "requests") -> None:
+        super().__init__(message)
+        self.type = kind
+
+
 class ShuttingDown(ProxyError):
     """The worker is stopping (SIGTERM, reload). Before the status line this is a 503; on a
     stream that outlived the grace period it is the in-band error that ends it."""
@@ -278,6 +293,7 @@ def extra_headers(err: ProxyError) -> list[tuple[str, str]]:
     headers = [("Retry-After", str(err.retry_after))] if err.retry_after is not None else []
     if isinstance(err, RequestTimeout):
         headers.append(("Connection", "close"))
+    headers.extend(err.headers)
     return headers
 
 

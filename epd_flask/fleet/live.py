@@ -17,7 +17,14 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from epd_flask.control.roles import DECODE, PREFILL_DECODE
-from epd_flask.control.roster import Instance, Roster, Settings, connector_problem, mixes_roles
+from epd_flask.control.roster import (
+    Instance,
+    Roster,
+    Settings,
+    Tenant,
+    connector_problem,
+    mixes_roles,
+)
 from epd_flask.fleet.registry import Registry
 
 logger = logging.getLogger(__name__)
@@ -41,6 +48,8 @@ class FleetView:
     sources: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     #: The roster file's generation (published by the master, or by an admin change).
     generation: int = 0
+    #: The roster's tenants (docs/behaviour.md#admission).
+    tenants: Mapping[str, Tenant] = field(default_factory=lambda: MappingProxyType({}))
 
     @property
     def combined(self) -> bool:
@@ -107,6 +116,7 @@ class LiveFleet:
         self._offers: dict[str, tuple[Instance, ...]] = {}
         self._listeners: list[Listener] = []
         self._problems: frozenset[str] = frozenset()
+        self._tenants = MappingProxyType(dict(roster.tenants))
         self._view = FleetView(settings, generation=generation)
         self._offers[FILE] = tuple(roster.instances)
         self._swap(settings, generation, "", announce=False)
@@ -126,6 +136,7 @@ class LiveFleet:
     def adopt(self, roster: Roster, generation: int, origin: str = "") -> None:
         """The roster file's settings and instances, from the next decision on."""
         self._offers[FILE] = tuple(roster.instances)
+        self._tenants = MappingProxyType(dict(roster.tenants))
         self._swap(roster.settings, generation, origin)
 
     def offer(self, source: str, instances: Iterable[Instance], origin: str = "") -> None:
@@ -139,7 +150,8 @@ class LiveFleet:
               announce: bool = True) -> None:
         instances, sources, problems = merge(settings, self._offers)
         old = self._view
-        new = FleetView(settings, instances, MappingProxyType(sources), generation)
+        new = FleetView(settings, instances, MappingProxyType(sources), generation,
+                        self._tenants)
         self.registry.configure(settings.fail_threshold, settings.evicted_ttl)
         self.registry.replace(instances)
         self._view = new

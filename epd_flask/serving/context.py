@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from typing import Protocol
 
 from epd_flask.control.settings import LOG_FORMATS
 from epd_flask.core import events
@@ -31,6 +32,22 @@ upstream_logger = logging.getLogger("epd_flask.upstream")
 
 FIRST_BYTE = "first_byte"
 TOTAL = "total"
+#: The wait for capacity (docs/behaviour.md#admission): ``queue_ms`` in the log line.
+QUEUE = "queue"
+
+
+class Admitted(Protocol):
+    """What admission keeps for a request it let through (serving/admission.py), told of
+    the request's routing, retries and end."""
+
+    def routed(self, role: str, url: str) -> None: ...
+
+    def retried(self) -> None: ...
+
+    def finished(self, ctx: RequestContext) -> None: ...
+
+    def usage_seen(self, events: bytes) -> bytes:
+        """A piece of a streamed answer that carries a usage object (returned unchanged)."""
 
 
 @dataclass
@@ -110,6 +127,13 @@ class RequestContext:
     on_leg: Callable[[str, int], None] | None = field(default=None, repr=False)
     #: The request's trace while tracing is on (docs/behaviour.md#tracing).
     trace: RequestTrace | None = field(default=None, repr=False)
+    #: The request's tenant, with admission on (docs/behaviour.md#admission).
+    tenant: str | None = None
+    #: What admission holds for the request while it runs.
+    admitted: Admitted | None = field(default=None, repr=False)
+    #: When the request waited for capacity (wall-clock nanoseconds, start and end): the
+    #: admission wait a trace shows.
+    queue_wait: tuple[int, int] | None = None
     _logged: bool = False
 
     @property
@@ -121,6 +145,15 @@ class RequestContext:
     def mark(self, name: str, since: float) -> None:
         """Record a stage's duration in milliseconds."""
         self.timings[name] = round((time.monotonic() - since) * 1000.0, 3)
+
+    def queued(self, since: float) -> None:
+        """Admission let the request through; it waited since ``since`` (monotonic)."""
+        waited = time.monotonic() - since
+        self.timings[QUEUE] = round(waited * 1000.0, 3)
+        ended = time.time_ns()
+        self.queue_wait = (ended - int(waited * 1e9), ended)
+        if self.trace is not None:
+            self.trace.waited("admission", *self.queue_wait)
 
     def relayed(self, nbytes: int, events: int = 1) -> None:
         """Bytes (whole SSE events, or a raw piece) went to the client; the first are timed."""
@@ -136,12 +169,16 @@ class RequestContext:
         events.routed.fire(role, decision.policy, decision.outcome, decision.instance.url)
         if self.trace is not None:
             self.trace.decided(role, decision.policy, decision.outcome, decision.instance.url)
+        if self.admitted is not None:
+            self.admitted.routed(role, decision.instance.url)
 
     def retry(self, err: ProxyError) -> None:
         self.retries += 1
         events.retry.fire(err.stage or "unknown", err.code)
         if self.trace is not None:
             self.trace.retried(err.stage or "unknown", err.code)
+        if self.admitted is not None:
+            self.admitted.retried()
 
     @contextmanager
     def leg(self, stage: str, role: str, url: str) -> Iterator[OpenLeg]:
@@ -212,6 +249,8 @@ class RequestContext:
             self._close(leg, error=blamed)
         if self.trace is not None:
             self.trace.finish(self, failure)
+        if self.admitted is not None:
+            self.admitted.finished(self)
         if logger.isEnabledFor(logging.INFO):  # no formatting cost when nobody reads it
             logger.info("%s", self.log_line())
         events.request_finished.fire(self)
@@ -228,6 +267,8 @@ class RequestContext:
             parts.append(f"trace_id={self.trace.trace_id}")
         if self.model is not None:
             parts.append(f"model={v(self.model)}")
+        if self.tenant is not None:
+            parts.append(f"tenant={v(self.tenant)}")
         for role, url in self.instances.items():
             parts.append(f"{role}={v(url)}")
         if self.routing:
@@ -257,6 +298,8 @@ class RequestContext:
             doc["model"] = self.model
         if self.trace is not None:
             doc["trace_id"] = self.trace.trace_id
+        if self.tenant is not None:
+            doc["tenant"] = self.tenant
         rate = self.chunks_per_second()
         if rate is not None:
             doc["chunks_per_s"] = rate

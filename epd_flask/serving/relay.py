@@ -122,6 +122,8 @@ def sse(transport: Transport, resp: Upstream, ctx: RequestContext,
     an in-band error and closes the upstream: relaying it would mean holding it whole."""
     if ctx.trace is not None and ctx.trace.recording:
         rewrite = _noting_usage(ctx.trace, rewrite)
+    if ctx.admitted is not None:
+        rewrite = _noting_admission(ctx.admitted.usage_seen, rewrite)
     return Relayed(_sse(transport, resp, ctx, stage, chunks, rewrite, side, max_event),
                    resp, ctx, side)
 
@@ -134,6 +136,17 @@ def _noting_usage(trace: RequestTrace, rewrite: Callable[[bytes], bytes] | None,
         trace.answer_usage(events)
         return events if rewrite is None else rewrite(events)
     return note
+
+
+def _noting_admission(note: Callable[[bytes], bytes], rewrite: Callable[[bytes], bytes] | None,
+                      ) -> Callable[[bytes], bytes]:
+    """``rewrite``, telling admission the usage it passes on (docs/behaviour.md#admission)."""
+    if rewrite is None:
+        return note
+
+    def both(events: bytes) -> bytes:
+        return rewrite(note(events))
+    return both
 
 
 def raw(transport: Transport, resp: Upstream, ctx: RequestContext,

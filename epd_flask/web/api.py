@@ -19,7 +19,9 @@ from epd_flask.core.headers import (
     request_id,
     upstream_headers,
 )
+from epd_flask.serving.admission import admission_error
 from epd_flask.serving.context import RequestContext
+from epd_flask.serving.fields import CHAT_PATH
 from epd_flask.serving.legs import client_watch
 from epd_flask.serving.pipeline import Reply
 from epd_flask.web import edge, validation
@@ -55,8 +57,10 @@ def _context(req: Request, svc: Services) -> RequestContext:
     return ctx
 
 
-def _authorize(req: Request, svc: Services) -> None:
-    svc.keys.check(req.headers.get("Authorization"))
+def _authorize(req: Request, svc: Services) -> str | None:
+    """Raise unless the request carries a serving key (when keys are configured); the
+    tenant its key belongs to, if the keys file names one."""
+    return svc.keys.check(req.headers.get("Authorization"))
 
 
 def _body(req: Request, svc: Services) -> bytes:
@@ -135,6 +139,7 @@ def _accounted(ctx: RequestContext) -> Iterator[None]:
     except ProxyError as err:
         ctx.finish(status=err.status, error=err)
         err.request_id = ctx.request_id
+        admission_error(err, ctx.admitted)
         raise
     except HTTPException as exc:  # werkzeug's own refusals (413 ...) are requests too
         ctx.finish(status=exc.code, error=exc.description or exc.name)
@@ -152,7 +157,7 @@ def completion(req: Request, svc: Services) -> Response:
     WSGI fast path (web/fastpath.py) both call."""
     ctx = _context(req, svc)
     with _accounted(ctx):
-        _authorize(req, svc)
+        key_tenant = _authorize(req, svc)
         ctype = (req.mimetype or "").lower()
         if ctype not in JSON_TYPES:
             raise ClientError(f"Content-Type must be application/json, got {ctype}",
@@ -163,7 +168,14 @@ def completion(req: Request, svc: Services) -> Response:
         cooperate.after_step(len(raw))
         validation.check_completion(req.path, body)
         body = edge.without_proxy_fields(body)
+        gate, ticket = svc.admission, None
+        if gate is not None and gate.enabled:
+            # docs/behaviour.md#admission: refused, or let through after a wait for capacity
+            body, ticket = gate.admit(ctx, req.path == CHAT_PATH, body,
+                                      gate.tenant_of(req.headers.get, key_tenant))
         reply = svc.pipeline.completion(req.path, body, ctx)
+        if ticket is not None:
+            reply.headers.extend(ticket.answered(reply.body))
     return _respond(reply)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from epd_flask.core.errors import ClientError, PayloadTooLarge, Unauthorized
@@ -29,19 +29,22 @@ MISSING_KEY = ("You didn't provide an API key. You need to provide your API key 
 
 class KeyRing:
     """Serving API keys, compared in constant time (digests of equal length, every key
-    compared, so neither the key's length nor its position leaks through timing)."""
+    compared, so neither the key's length nor its position leaks through timing), and the
+    tenant each belongs to (docs/behaviour.md#admission)."""
 
-    def __init__(self, keys: Iterable[str]) -> None:
+    def __init__(self, keys: Iterable[str], tenants: Mapping[str, str] | None = None) -> None:
         self._digests = tuple(_digest(k) for k in keys)
+        self._tenants = {_digest(k): t for k, t in (tenants or {}).items()}
 
     @property
     def enabled(self) -> bool:
         return bool(self._digests)
 
-    def check(self, authorization: str | None) -> None:
-        """Raise ``Unauthorized`` (OpenAI's 401 shape) unless the bearer token is a key."""
+    def check(self, authorization: str | None) -> str | None:
+        """Raise ``Unauthorized`` (OpenAI's 401 shape) unless the bearer token is a key;
+        the tenant the key belongs to, if it names one."""
         if not self.enabled:
-            return
+            return None
         token = bearer_token(authorization)
         if token is None:
             err = Unauthorized(MISSING_KEY)
@@ -53,6 +56,7 @@ class KeyRing:
             found |= hmac.compare_digest(offered, known)
         if not found:
             raise Unauthorized(f"Incorrect API key provided: {_redact(token)}.")
+        return self._tenants.get(offered)
 
 
 def bearer_token(authorization: str | None) -> str | None:

@@ -24,6 +24,7 @@ from epd_flask.fleet.routing import Router
 from epd_flask.fleet.sources import Source
 from epd_flask.observe import metrics
 from epd_flask.observe.tracing import Tracing
+from epd_flask.serving.admission import AdmissionGate
 from epd_flask.serving.pipeline import Pipeline
 from epd_flask.upstream.transport import Transport
 from epd_flask.web.edge import KeyRing
@@ -53,6 +54,7 @@ class Services:
     sources: dict[str, Source] = field(default_factory=dict)
     #: None while tracing is off (docs/behaviour.md#tracing).
     tracing: Tracing | None = None
+    admission: AdmissionGate | None = None
 
     @property
     def registry(self) -> Registry:
@@ -79,6 +81,8 @@ class Services:
             source.start()
         if self.tracing is not None:
             self.tracing.start()
+        if self.admission is not None:
+            self.admission.capacity.board.start()
 
     def stop(self) -> None:
         self.drain.stop()
@@ -93,6 +97,9 @@ class Services:
         self.roster_sync.stop()
         if self.tracing is not None:
             self.tracing.stop()
+        if self.admission is not None:
+            self.admission.stop()
+            self.admission.capacity.board.stop()
         self.transport.close()
 
 

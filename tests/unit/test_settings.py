@@ -57,20 +57,32 @@ def test_the_readme_environment_table_lists_exactly_the_declared_variables() -> 
 def test_the_readme_roster_settings_table_lists_exactly_the_declared_keys() -> None:
     rows = _table("| setting | default | unit | meaning |")
     shown = {re.sub(r"`", "", name): (default, unit) for name, default, unit, _ in rows}
-    assert sorted(shown) == sorted(settings.ROSTER)
-    wrong = {n: (shown[n], (s.shown_default(), s.unit)) for n, s in settings.ROSTER.items()
+    declared = settings.roster_rows()
+    assert sorted(shown) == sorted(declared)
+    wrong = {n: (shown[n], (s.shown_default(), s.unit)) for n, s in declared.items()
              if shown[n] != (s.shown_default(), s.unit)}
     assert not wrong, f"README (default, unit) vs declared: {wrong}"
 
 
-def test_the_roster_schema_is_the_declared_table() -> None:
-    assert list(Settings.model_fields) == list(settings.ROSTER)
-    for name, decl in settings.ROSTER.items():
-        field = Settings.model_fields[name]
+def _check_schema(model: type, table: dict[str, settings.RosterSetting]) -> None:
+    assert list(model.model_fields) == list(table)
+    for name, decl in table.items():
+        field = model.model_fields[name]
+        assert field.description == decl.help, name
+        if decl.keys:
+            # A mapping of its own: absent (None) by default, its keys a model of them.
+            assert field.default is None, name
+            nested = field.annotation.__args__[0]
+            _check_schema(nested, {k.name: k for k in decl.keys})
+            continue
         assert field.default == decl.default and field.annotation == decl.type, name
         bounds = {k: getattr(m, k) for m in field.metadata for k in ("ge", "gt", "le")
                   if hasattr(m, k)}
-        assert bounds == decl.bounds() and field.description == decl.help, name
+        assert bounds == decl.bounds(), name
+
+
+def test_the_roster_schema_is_the_declared_table() -> None:
+    _check_schema(Settings, settings.ROSTER)
 
 
 @pytest.mark.parametrize(("key", "value", "words"), [

@@ -1,0 +1,207 @@
+"""The requests this proxy host has running on each instance, summed over the workers of one
+gunicorn master: what ``max_concurrency`` is compared with (docs/behaviour.md#admission).
+
+Each worker writes its own counts into a small file of its own in the state directory, which it
+alone writes (one aligned 8-byte store per change, no lock), and reads its siblings' files
+through ``mmap`` to sum them, as prometheus_client's multiprocess values do. One shared file
+would need an atomic add, which Python does not have on shared memory: every change would take
+a file lock (two system calls, contended by every worker on every request); a single-writer
+file per worker needs none, and a reader's sum is a handful of aligned loads. A file is
+``load-<pid>.bin`` (``load-<pid>-<n>.bin`` for a further app in one process, as in the
+in-process tests); a file whose worker died is skipped from the next refresh on (its pid is
+gone) and removed by the master when it reaps the worker, or by the worker when it stops.
+
+A file: a header (magic, a layout generation, slots used), then slots of (key, count), the key
+being the first 8 bytes of blake2b of the instance's URL. Slots are appended; a full file is
+compacted (slots at 0 dropped) under a new generation, which tells readers to index it again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import itertools
+import logging
+import mmap
+import os
+import struct
+import time
+from pathlib import Path
+
+from epd_flask.control.statedir import LOAD_PREFIX, LOAD_SUFFIX, running
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"EPDLOAD1"
+HEADER = struct.Struct("<8sQQ")  # magic, generation, slots used
+SLOT = struct.Struct("<Qq")  # key, count
+COUNT = struct.Struct("<q")
+#: Instances one worker's file can hold at once; past that the file is compacted.
+SLOTS = 4096
+SIZE = HEADER.size + SLOTS * SLOT.size
+#: How often a reader looks for workers that started or died.
+REFRESH_SECONDS = 1.0
+
+_apps = itertools.count()
+
+
+def key_of(url: str) -> int:
+    return int.from_bytes(hashlib.blake2b(url.encode(), digest_size=8).digest(), "little")
+
+
+class _Sibling:
+    """Another worker's file, read through ``mmap``; indexed again whenever its layout
+    changes."""
+
+    __slots__ = ("generation", "index", "map", "path", "used")
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        with open(path, "rb") as fh:
+            self.map = mmap.mmap(fh.fileno(), SIZE, access=mmap.ACCESS_READ)
+        self.generation = -1
+        self.used = 0
+        self.index: dict[int, int] = {}
+
+    def count(self, key: int) -> int:
+        magic, generation, used = HEADER.unpack_from(self.map, 0)
+        if magic != MAGIC or generation & 1:
+            return 0  # not written yet, or being compacted right now: a moment's undercount
+        if generation != self.generation:
+            self.generation, self.used, self.index = generation, 0, {}
+        if used != self.used:
+            for slot in range(self.used, min(used, SLOTS)):
+                offset = HEADER.size + slot * SLOT.size
+                self.index[SLOT.unpack_from(self.map, offset)[0]] = offset + 8
+            self.used = used
+        offset = self.index.get(key)
+        return COUNT.unpack_from(self.map, offset)[0] if offset is not None else 0
+
+    def close(self) -> None:
+        with contextlib.suppress(BufferError, ValueError):
+            self.map.close()
+
+
+class LoadBoard:
+    """This worker's counts, published to its siblings when there is a state directory, and
+    the host's total per instance. Every caller runs on one gevent hub; nothing here yields."""
+
+    def __init__(self, state_dir: str | os.PathLike[str] | None) -> None:
+        self._own: dict[str, int] = {}
+        self._slots: dict[str, int] = {}
+        self._dir = Path(state_dir) if state_dir else None
+        self._path: Path | None = None
+        self._map: mmap.mmap | None = None
+        self._generation = 0
+        self._siblings: dict[Path, _Sibling] = {}
+        self._refreshed = float("-inf")
+
+    def start(self) -> None:
+        """Create this worker's file (after fork: the name carries the worker's pid)."""
+        if self._dir is None or self._map is not None:
+            return
+        n = next(_apps)
+        name = f"{LOAD_PREFIX}{os.getpid()}{f'-{n}' if n else ''}{LOAD_SUFFIX}"
+        self._path = self._dir / name
+        try:
+            fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                os.ftruncate(fd, SIZE)
+                self._map = mmap.mmap(fd, SIZE)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            logger.warning("admission: cannot share this worker's load in %s (%s); its "
+                           "siblings will not see it", self._dir, exc)
+            self._path = None
+            return
+        self._rewrite()
+
+    def stop(self) -> None:
+        for sibling in self._siblings.values():
+            sibling.close()
+        self._siblings.clear()
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+        if self._path is not None:
+            with contextlib.suppress(OSError):
+                self._path.unlink()
+
+    def add(self, url: str, delta: int) -> None:
+        """A request of this worker started (+1) or stopped (-1) running on ``url``."""
+        value = self._own.get(url, 0) + delta
+        if value <= 0:
+            self._own.pop(url, None)
+            value = 0
+        else:
+            self._own[url] = value
+        if self._map is None:
+            return
+        slot = self._slots.get(url)
+        if slot is None:
+            if value == 0:
+                return
+            if len(self._slots) >= SLOTS:
+                self._rewrite()
+            slot = self._slots[url] = len(self._slots)
+            SLOT.pack_into(self._map, HEADER.size + slot * SLOT.size, key_of(url), value)
+            HEADER.pack_into(self._map, 0, MAGIC, self._generation, len(self._slots))
+            return
+        COUNT.pack_into(self._map, HEADER.size + slot * SLOT.size + 8, value)
+
+    def own(self, url: str) -> int:
+        return self._own.get(url, 0)
+
+    def count(self, url: str) -> int:
+        """Requests running on ``url`` from every worker of this host (this one exactly, the
+        others as of their last store)."""
+        total = self._own.get(url, 0)
+        if self._map is None:
+            return total
+        now = time.monotonic()
+        if now - self._refreshed >= REFRESH_SECONDS:
+            self._refresh(now)
+        if self._siblings:
+            key = key_of(url)
+            for sibling in self._siblings.values():
+                total += sibling.count(key)
+        return total
+
+    def _rewrite(self) -> None:
+        """Lay the file out again with only the instances this worker has requests on."""
+        assert self._map is not None
+        self._generation += 1  # odd: readers skip the file until it is consistent again
+        HEADER.pack_into(self._map, 0, MAGIC, self._generation, 0)
+        self._slots = {}
+        for slot, (url, value) in enumerate(self._own.items()):
+            self._slots[url] = slot
+            SLOT.pack_into(self._map, HEADER.size + slot * SLOT.size, key_of(url), value)
+        self._generation += 1
+        HEADER.pack_into(self._map, 0, MAGIC, self._generation, len(self._slots))
+
+    def _refresh(self, now: float) -> None:
+        self._refreshed = now
+        assert self._dir is not None
+        seen: set[Path] = set()
+        try:
+            paths = list(self._dir.glob(f"{LOAD_PREFIX}*{LOAD_SUFFIX}"))
+        except OSError:
+            paths = []
+        for path in paths:
+            if path == self._path:
+                continue
+            try:
+                pid = int(path.name[len(LOAD_PREFIX):-len(LOAD_SUFFIX)].split("-", 1)[0])
+            except ValueError:
+                continue
+            if not running(pid):
+                continue
+            seen.add(path)
+            if path not in self._siblings:
+                try:
+                    self._siblings[path] = _Sibling(path)
+                except (OSError, ValueError):
+                    continue  # not full size yet, or gone: the next refresh sees it
+        for path in set(self._siblings) - seen:
+            self._siblings.pop(path).close()

@@ -1,0 +1,106 @@
+"""When an instance is full, and whether a request of a role could go out now
+(docs/behaviour.md#admission).
+
+An instance is full when the requests this proxy host has running on it (every worker's,
+``loadboard.py``) reach its roster ``max_concurrency``, or, given a ``Waiting`` that knows its
+engine's queue (vLLM's ``vllm:num_requests_waiting``: the one signal every proxy host
+shares), when that queue holds ``ENGINE_WAITING_FULL`` or more. Routing prefers instances
+that are not full (``RoomySource``); admission holds a request back while every candidate of
+a role it needs is full.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from epd_flask.control.roster import Instance, admits
+from epd_flask.fleet.live import FleetView, LiveFleet
+from epd_flask.fleet.loadboard import LoadBoard
+from epd_flask.fleet.policies import Placement
+from epd_flask.fleet.registry import InstanceState
+from epd_flask.fleet.routing import CandidateSource, Readiness
+
+#: An engine with this many requests waiting is full. vLLM puts every new request in its
+#: waiting queue until its next step schedules it, so one or two waiting are the ordinary
+#: traffic of a busy engine, not saturation; four means a step's arrivals found no room (its
+#: batch or its KV cache is full), and from there each request sent waits first come, first
+#: served behind the others, whatever its tenant.
+ENGINE_WAITING_FULL = 4
+
+#: An instance's engine queue as this worker knows it (None: not known).
+Waiting = Callable[[InstanceState], int | None]
+
+
+def no_engine_signal(state: InstanceState) -> int | None:
+    return None
+
+
+def engine_full(waiting: int | None) -> bool:
+    """Whether an engine with ``waiting`` requests in its queue takes no more now."""
+    return waiting is not None and waiting >= ENGINE_WAITING_FULL
+
+
+class Capacity:
+    """Reads the host's load (the board) and the engines' queues against the roster."""
+
+    def __init__(self, live: LiveFleet, board: LoadBoard,
+                 waiting: Waiting = no_engine_signal) -> None:
+        self.live = live
+        self.board = board
+        self.waiting = waiting
+        self._view: FleetView | None = None
+        self._active = False
+
+    @property
+    def active(self) -> bool:
+        """Whether anything is counted at all: the roster configures admission, names
+        tenants or bounds an instance (otherwise routing and serving are as without it)."""
+        view = self.live.view
+        if view is not self._view:
+            self._view = view
+            self._active = admits(view.settings, view.tenants, view.instances)
+        return self._active
+
+    def full(self, inst: Instance) -> bool:
+        cap = inst.max_concurrency
+        if cap is not None and self.board.count(inst.url) >= cap:
+            return True
+        state = self.live.registry.get(inst.url)
+        return state is not None and engine_full(self.waiting(state))
+
+    def room(self, role: str, model: str | None, reserved: int = 0) -> bool:
+        """Whether a request of ``role`` for ``model`` could go out now, with ``reserved``
+        requests of this worker already let through for it and not yet routed. A role
+        with no live instance has room: the pipeline answers ``no_backend`` at once."""
+        registry = self.live.registry
+        candidates = registry.live(role, model)
+        free = 0
+        for inst in candidates:
+            state = registry.get(inst.url)
+            if state is not None and engine_full(self.waiting(state)):
+                continue
+            if inst.max_concurrency is None:
+                return True
+            free += max(0, inst.max_concurrency - self.board.count(inst.url))
+            if free > reserved:
+                return True
+        return not candidates
+
+
+class RoomySource:
+    """A role's candidates without the full ones, while any is not full: a request let
+    through goes where there is room (docs/behaviour.md#admission)."""
+
+    def __init__(self, source: CandidateSource, capacity: Capacity) -> None:
+        self.source = source
+        self.capacity = capacity
+
+    def candidates(self, role: str, model: str | None, base: str | None) -> list[Placement]:
+        found = self.source.candidates(role, model, base)
+        if not self.capacity.active or len(found) < 2:
+            return found
+        full = self.capacity.full
+        return [c for c in found if not full(c.instance)] or found
+
+    def ready(self) -> Readiness:
+        return self.source.ready()

@@ -1,0 +1,454 @@
+"""Admission control: which completion goes out now, which waits for capacity, and which is
+refused (docs/behaviour.md#admission).
+
+A request is its tenant's: the roster's ``tenant_header`` when the request carries it, else the
+tenant its API key belongs to, else ``default``. Over the tenant's rate limit it is refused at
+once (429, ``ratelimit.py``). Otherwise it goes out when, for every role it needs, some live
+instance is not full (``fleet/saturation.py``), and no request waits before it for the same
+capacity; else it waits in this worker's queue (``fairqueue.py``: strict priority between
+classes, weighted fair sharing within one) for at most ``queue_timeout``. A request let through
+holds a reservation on each role until it is routed there, then a place on the chosen
+instance (the host's count, ``fleet/loadboard.py``) until it ends; every release lets the
+next waiting requests through. A waiting client that hangs up leaves the queue and nothing is
+sent upstream.
+
+The request context reports routing, retries and the end to the request's ``Ticket``; the
+view reports the answer (its usage corrects the token estimate, its headers carry the
+tenant's limits).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import gevent
+from gevent.event import Event
+
+from epd_flask.control.roles import DECODE, PREFILL, PREFILL_DECODE
+from epd_flask.control.roster import DEFAULT_TENANT, Tenant, tenant_of
+from epd_flask.control.roster import Admission as AdmissionSettings
+from epd_flask.core.errors import ClientDisconnected, Overloaded, ProxyError, RateLimited
+from epd_flask.fleet.affinity import estimate_tokens
+from epd_flask.fleet.live import LiveFleet
+from epd_flask.fleet.models import Catalog
+from epd_flask.fleet.saturation import Capacity
+from epd_flask.serving import fields, ratelimit, usage
+from epd_flask.serving.context import RequestContext
+from epd_flask.serving.fairqueue import RANK, FairQueue, Waiter
+from epd_flask.serving.legs import CLIENT_CHECK_INTERVAL
+from epd_flask.serving.ratelimit import REQUESTS, TOKENS, Take, Verdict
+from epd_flask.serving.redisstore import Limiter
+
+logger = logging.getLogger(__name__)
+
+#: How often a worker with requests waiting looks again for room its own releases did not
+#: announce: other workers' and hosts' requests ending, engine queues read, instances back.
+POLL_SECONDS = 0.05
+#: vLLM's ``priority`` for each class when ``forward_priority`` is on: lower runs first
+#: (``--scheduling-policy priority``), 0 is what a request without one gets.
+VLLM_PRIORITY = {"high": -1, "normal": 0, "low": 1}
+DEFAULTS = AdmissionSettings()
+#: The reasons a request is refused, as the metrics and the status page name them.
+REASONS = ("queue_full", "queue_timeout", "rate_limit_requests", "rate_limit_tokens",
+           "too_large")
+
+#: (model, the roles the request needs): one pool of capacity, one queue.
+Key = tuple[str | None, tuple[str, ...]]
+
+
+@dataclass
+class TenantStats:
+    """What one tenant did on this worker (the status page's table)."""
+
+    waiting: int = 0
+    admitted: int = 0
+    waited: int = 0
+    tokens: int = 0
+    rejected: Counter[str] = field(default_factory=Counter)
+
+
+def requested_tokens(path_is_chat: bool, body: dict[str, Any], prompt: int) -> int:
+    """What a request may use: its prompt (estimated) plus the most it may generate, for
+    every choice (``n``). A chat without ``max_tokens`` reserves its prompt; its usage is
+    charged when it ends."""
+    most = fields.count(body.get("max_completion_tokens")) if path_is_chat else None
+    if most is None:
+        most = fields.count(body.get("max_tokens"))
+    if most is None and not path_is_chat:
+        most = 16  # vLLM's (and OpenAI's) default for /v1/completions
+    choices = fields.count(body.get("n")) or 1
+    return prompt + max(0, most or 0) * max(1, choices)
+
+
+def with_priority(body: dict[str, Any], tenant: Tenant) -> dict[str, Any]:
+    """The body with vLLM's ``priority`` set from the tenant's class (the client's own
+    value, if any, is replaced: the class is the operator's to give)."""
+    return {**body, "priority": VLLM_PRIORITY[tenant.priority]}
+
+
+def usage_total(data: bytes) -> int | None:
+    """Prompt plus completion tokens of the last usage object in ``data`` (a JSON body, or
+    SSE events), None when there is none."""
+    found = usage.last_usage(data)
+    if found is None or found[0] is None or found[1] is None:
+        return None
+    return found[0] + found[1]
+
+
+class Ticket:
+    """One admitted request's claims: its tenant's rate-limit charge, its reservation on
+    each role, its places on instances. Told of the request's life by its context."""
+
+    def __init__(self, gate: AdmissionGate, tenant: str, record: Tenant, key: Key,
+                 prompt: int, tokens: int, stream: bool) -> None:
+        self.gate = gate
+        self.tenant = tenant
+        self.record = record
+        self.key = key
+        self.prompt = prompt
+        self.tokens = tokens
+        self.stream = stream
+        self.takes: list[Take] = []
+        self.verdict: Verdict | None = None
+        self.reserved: set[str] = set()
+        self.holds: set[str] = set()
+        self.waiter: Waiter | None = None
+        self.event: Event | None = None
+        self.ran = False
+        self.settled = False
+        self.used: int | None = None
+
+    # -- what the request context reports ---------------------------------------------------
+
+    def routed(self, role: str, url: str) -> None:
+        """A routing decision: the reservation of that role becomes a place on ``url``."""
+        if role in self.reserved:
+            self.reserved.discard(role)
+            self.gate.unreserve(role, self.key[0])
+        if role in self.key[1] and url not in self.holds:
+            self.holds.add(url)
+            self.ran = True
+            self.gate.capacity.board.add(url, 1)
+
+    def retried(self) -> None:
+        """The attempt failed: its instances' places are free (the next attempt routes
+        again)."""
+        self._release_holds()
+        self.gate.kick()
+
+    def finished(self, ctx: RequestContext) -> None:
+        """The request ended, however: everything it held is free."""
+        if self.waiter is not None and not self.waiter.done:
+            self.gate.leave(self)
+        for role in self.reserved:
+            self.gate.unreserve(role, self.key[0])
+        self.reserved.clear()
+        self._release_holds()
+        status = ctx.status
+        if status is None or status >= 400 or not self.ran:
+            self.settle(None, ran=self.ran)
+        elif self.stream:
+            self.settle(self.used if self.used is not None else self.prompt + ctx.chunks)
+        self.gate.kick()
+
+    def usage_seen(self, events: bytes) -> bytes:
+        """A piece of the answer with a usage object (the relay's hook)."""
+        total = usage_total(events)
+        if total is not None:
+            self.used = total
+        return events
+
+    # -- what the view reports --------------------------------------------------------------
+
+    def answered(self, body: Any) -> list[tuple[str, str]]:
+        """The headers a successful answer carries; a whole (non-stream) body's usage settles
+        the token charge first, so they tell what remains after it."""
+        if isinstance(body, bytes) and not self.settled:
+            total = usage_total(body)
+            self.settle(total if total is not None else self.tokens)
+        return self.headers()
+
+    def headers(self) -> list[tuple[str, str]]:
+        return ratelimit.headers(self.verdict.levels) if self.verdict is not None else []
+
+    # -- the rate-limit charge ----------------------------------------------------------------
+
+    def settle(self, used: int | None, ran: bool = True) -> None:
+        """Correct the charge: the tokens used instead of the estimate (None: none used); a
+        request that never ran gives its request back too."""
+        if self.settled:
+            return
+        self.settled = True
+        if used is not None:
+            self.gate.stats_of(self.tenant).tokens += used
+        if not self.takes:
+            return
+        gives = []
+        for take in self.takes:
+            if take.kind == REQUESTS and not ran:
+                gives.append(Take(REQUESTS, take.capacity, -1))
+            elif take.kind == TOKENS:
+                delta = (used or 0) - take.amount
+                if delta:
+                    gives.append(Take(TOKENS, take.capacity, delta))
+        if gives:
+            verdict = self.gate.limiter.apply(self.tenant, gives, give=True)
+            if self.verdict is not None:
+                merged = {lv.kind: lv for lv in self.verdict.levels}
+                merged.update((lv.kind, lv) for lv in verdict.levels)
+                self.verdict = Verdict(True, tuple(merged[t.kind] for t in self.takes))
+
+    def _release_holds(self) -> None:
+        board = self.gate.capacity.board
+        for url in self.holds:
+            board.add(url, -1)
+        self.holds.clear()
+
+
+class AdmissionGate:
+    """One worker's admission: its queue, its reservations, the tenants' limits."""
+
+    def __init__(self, live: LiveFleet, catalog: Catalog, capacity: Capacity,
+                 limiter: Limiter, recomputes: bool) -> None:
+        self.live = live
+        self.catalog = catalog
+        self.capacity = capacity
+        self.limiter = limiter
+        self.recomputes = recomputes
+        self._queues: dict[Key, FairQueue] = {}
+        self._reserved: Counter[tuple[str, str | None]] = Counter()
+        self.waiting = 0
+        self._poller: gevent.Greenlet | None = None
+        self.stats: dict[str, TenantStats] = {}
+        #: Told of each wait that ended in admission: (tenant, priority, seconds).
+        self.on_waited: Callable[[str, str, float], None] | None = None
+        live.subscribe(self._reconfigure)
+        self._reconfigure(None, live.view)
+
+    @property
+    def enabled(self) -> bool:
+        return self.capacity.active
+
+    def _reconfigure(self, old: Any, new: Any) -> None:
+        settings = new.settings.admission or DEFAULTS
+        try:
+            self.limiter.configure(settings.store)
+        except Exception as exc:  # a store the client library refuses: count per host
+            logger.error("admission: cannot use the rate-limit store (%s); each host counts "
+                         "its own", exc)
+            self.limiter.configure("")
+
+    def settings(self) -> AdmissionSettings:
+        return self.live.settings.admission or DEFAULTS
+
+    def stats_of(self, tenant: str) -> TenantStats:
+        stats = self.stats.get(tenant)
+        if stats is None:
+            stats = self.stats[tenant] = TenantStats()
+        return stats
+
+    def tenant_of(self, header: Callable[[str], str | None], key_tenant: str | None) -> str:
+        """The request's tenant: the trusted header's, the API key's, else ``default``; a
+        name the roster does not list is ``default`` (docs/behaviour.md#admission)."""
+        settings = self.settings()
+        named = header(settings.tenant_header) if settings.tenant_header else None
+        name = named or key_tenant
+        return name if name is not None and name in self.live.view.tenants else DEFAULT_TENANT
+
+    def admit(self, ctx: RequestContext, path_is_chat: bool, body: dict[str, Any],
+              tenant: str) -> tuple[dict[str, Any], Ticket]:
+        """Let the request through (perhaps after a wait), or raise why not; the body to send
+        (with vLLM's ``priority`` when the roster forwards it) and the request's ticket."""
+        view = self.live.view
+        settings = view.settings.admission or DEFAULTS
+        record = tenant_of(view.tenants, tenant)
+        model = self.catalog.resolve(body.get("model"))
+        prompt = estimate_tokens(body)
+        tokens = requested_tokens(path_is_chat, body, prompt)
+        ticket = Ticket(self, tenant, record, (model, self._roles(prompt)), prompt, tokens,
+                        fields.streams(body))
+        ctx.tenant = tenant
+        if record.limited:
+            self._charge(ticket)
+        ctx.admitted = ticket
+        started = time.monotonic()
+        if ticket.key not in self._queues and self._room(ticket.key):
+            self._reserve(ticket)
+        else:
+            self._wait(ctx, ticket, settings)
+        ctx.queued(started)
+        self.stats_of(tenant).admitted += 1
+        return (with_priority(body, record) if settings.forward_priority else body), ticket
+
+    # -- rate limits ----------------------------------------------------------------------
+
+    def _charge(self, ticket: Ticket) -> None:
+        takes = ratelimit.takes_for(ticket.record, ticket.tokens)
+        too_big = next((t for t in takes if t.amount > t.capacity), None)
+        if too_big is not None:
+            self.stats_of(ticket.tenant).rejected["too_large"] += 1
+            err = RateLimited(
+                f"Request too large for tenant `{ticket.tenant}` on tokens per min (TPM): "
+                f"Limit {too_big.capacity}, Requested {too_big.amount}. Lower max_tokens or "
+                "the prompt.", kind=TOKENS)
+            err.headers = (("x-should-retry", "false"),)
+            raise err
+        verdict = self.limiter.apply(ticket.tenant, takes)
+        ticket.verdict = verdict
+        if verdict.allowed:
+            ticket.takes = takes
+            return
+        kind = verdict.short or REQUESTS
+        self.stats_of(ticket.tenant).rejected[f"rate_limit_{kind}"] += 1
+        level = next(lv for lv in verdict.levels if lv.kind == kind)
+        wanted = next(t.amount for t in takes if t.kind == kind)
+        label = "requests per min (RPM)" if kind == REQUESTS else "tokens per min (TPM)"
+        err = RateLimited(
+            f"Rate limit reached for tenant `{ticket.tenant}` on {label}: Limit "
+            f"{level.limit}, Remaining {max(0, math.floor(level.remaining))}, Requested "
+            f"{wanted:g}. Please try again in {ratelimit.duration(verdict.retry_after)}.",
+            kind=kind)
+        err.retry_after = max(1, math.ceil(verdict.retry_after))
+        err.headers = (("retry-after-ms", str(max(1, math.ceil(verdict.retry_after * 1000)))),
+                       *ratelimit.headers(verdict.levels))
+        raise err
+
+    # -- capacity ------------------------------------------------------------------------
+
+    def _roles(self, prompt: int) -> tuple[str, ...]:
+        view = self.live.view
+        if view.combined:
+            return (PREFILL_DECODE,)
+        floor = view.settings.disaggregate_min_prompt_tokens
+        if floor > 0 and prompt < floor and self.recomputes:
+            return (DECODE,)
+        return (DECODE, PREFILL)
+
+    def _room(self, key: Key) -> bool:
+        model, roles = key
+        room = self.capacity.room
+        return all(room(role, model, self._reserved[role, model]) for role in roles)
+
+    def _reserve(self, ticket: Ticket) -> None:
+        model, roles = ticket.key
+        for role in roles:
+            self._reserved[role, model] += 1
+        ticket.reserved.update(roles)
+
+    def unreserve(self, role: str, model: str | None) -> None:
+        left = self._reserved[role, model] - 1
+        if left > 0:
+            self._reserved[role, model] = left
+        else:
+            del self._reserved[role, model]
+
+    # -- the queue -----------------------------------------------------------------------
+
+    def _wait(self, ctx: RequestContext, ticket: Ticket, settings: AdmissionSettings) -> None:
+        stats = self.stats_of(ticket.tenant)
+        if self.waiting >= settings.max_queue:
+            stats.rejected["queue_full"] += 1
+            raise Overloaded(f"this server already has {self.waiting} requests waiting for "
+                             "capacity; retry shortly")
+        cost = 1.0 if settings.share_by == REQUESTS else float(max(1, ticket.tokens))
+        waiter = Waiter(ticket.tenant, RANK[ticket.record.priority], cost, payload=ticket)
+        ticket.waiter, ticket.event = waiter, Event()
+        self._queues.setdefault(ticket.key, FairQueue()).push(waiter, ticket.record.weight)
+        self.waiting += 1
+        stats.waiting += 1
+        self._dispatch()
+        if not waiter.done and self._poller is None:
+            self._poller = gevent.spawn(self._poll)
+        deadline = time.monotonic() + settings.queue_timeout
+        client_gone = ctx.client_gone
+        while not ticket.event.wait(min(CLIENT_CHECK_INTERVAL,
+                                        max(0.0, deadline - time.monotonic()))):
+            if client_gone is not None and client_gone():
+                raise ClientDisconnected("client closed the connection while its request "
+                                         "waited for capacity; nothing was sent upstream")
+            if time.monotonic() >= deadline:
+                self.leave(ticket)
+                stats.rejected["queue_timeout"] += 1
+                raise Overloaded(f"no capacity for this request within {settings.queue_timeout:g}"
+                                 " s (admission.queue_timeout); retry shortly")
+        stats.waited += 1
+
+    def leave(self, ticket: Ticket) -> None:
+        """A waiting request gave up (its client left, its time ran out)."""
+        waiter = ticket.waiter
+        if waiter is None or waiter.done:
+            return
+        queue = self._queues.get(ticket.key)
+        if queue is not None:
+            queue.remove(waiter)
+            if not len(queue):
+                del self._queues[ticket.key]
+        self.waiting -= 1
+        self.stats_of(ticket.tenant).waiting -= 1
+
+    def kick(self) -> None:
+        """Something was released: let waiting requests through while there is room."""
+        if self._queues:
+            self._dispatch()
+
+    def _dispatch(self) -> None:
+        for key, queue in sorted(self._queues.items(), key=lambda kv: kv[1].best_rank()):
+            while len(queue) and self._room(key):
+                waiter = queue.pop()
+                if waiter is not None:
+                    self._grant(waiter)
+            if not len(queue):
+                self._queues.pop(key, None)
+
+    def _grant(self, waiter: Waiter) -> None:
+        ticket: Ticket = waiter.payload
+        self.waiting -= 1
+        self.stats_of(ticket.tenant).waiting -= 1
+        self._reserve(ticket)
+        assert ticket.event is not None
+        ticket.event.set()
+
+    def _poll(self) -> None:
+        try:
+            while self.waiting:
+                gevent.sleep(POLL_SECONDS)
+                self._dispatch()
+        finally:
+            self._poller = None
+
+    def stop(self) -> None:
+        if self._poller is not None:
+            self._poller.kill(block=False)
+        self.limiter.close()
+
+    def snapshot(self) -> dict[str, Any]:
+        """Per tenant: its record and what it did here (``/status``)."""
+        view = self.live.view
+        names = sorted(set(view.tenants) | set(self.stats) | {DEFAULT_TENANT})
+        out = {}
+        for name in names:
+            record = tenant_of(view.tenants, name)
+            stats = self.stats_of(name)
+            out[name] = {"priority": record.priority, "weight": record.weight,
+                         "requests_per_minute": record.requests_per_minute,
+                         "tokens_per_minute": record.tokens_per_minute,
+                         "waiting": stats.waiting, "admitted": stats.admitted,
+                         "waited": stats.waited, "tokens": stats.tokens,
+                         "rejected": dict(stats.rejected)}
+        return {"enabled": self.enabled, "waiting": self.waiting,
+                "store_up": self.limiter.up, "tenants": out}
+
+
+def admission_error(err: ProxyError, ticket: Any) -> ProxyError:
+    """``err`` carrying the tenant's rate-limit headers, as every answer of a limited tenant
+    does (``ticket``: the request context's ``admitted``)."""
+    if isinstance(ticket, Ticket) and ticket.verdict is not None \
+            and not isinstance(err, RateLimited):
+        err.headers = (*err.headers, *ticket.headers())
+    return err

@@ -1,0 +1,163 @@
+"""Rate-limit buckets in Redis, which every proxy host shares (``admission.store``,
+docs/behaviour.md#admission), and the limiter that falls back to the host's own when Redis
+does not answer.
+
+The client is redis-py: it speaks RESP over the standard library's ``socket``, which gevent
+patches in every worker, so a call waits for Redis without holding the worker's other
+requests (its pool's locks are ``threading``'s, patched too). Every operation is one Lua script
+(``EVALSHA``), so checking and taking both buckets is atomic across hosts, and its clock is
+Redis's (``TIME``): hosts whose clocks differ still refill alike. Calls fail fast (no retries,
+short timeouts): a request must not wait on a store that is down, and the next attempt comes
+``RETRY_SECONDS`` later.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from epd_flask.serving.ratelimit import Store, StoreDown, Take, Verdict, decide, local_store
+
+logger = logging.getLogger(__name__)
+
+#: Seconds a call to Redis may take (connecting included) before the store counts as down.
+TIMEOUT = 0.5
+#: After a failure, Redis is asked again this much later; meanwhile the host's own buckets
+#: count.
+RETRY_SECONDS = 5.0
+#: Connections one worker keeps to Redis; more requests at once wait for one.
+MAX_CONNECTIONS = 32
+KEY_PREFIX = "epd-flask:ratelimit:"
+
+#: Refill every bucket named in KEYS, then take each ARGV amount from it if every bucket has
+#: its amount (ARGV[1] = "1": give, unconditionally). Returns each bucket's level before.
+SCRIPT = """
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
+local give = ARGV[1] == '1'
+local levels = {}
+local ok = true
+for i = 1, #KEYS do
+  local cap = tonumber(ARGV[2 * i])
+  local amount = tonumber(ARGV[2 * i + 1])
+  local held = redis.call('HMGET', KEYS[i], 'level', 'at')
+  local level = cap
+  if held[1] then
+    level = math.min(cap, tonumber(held[1]) + math.max(0, now - tonumber(held[2])) * cap / 60)
+  end
+  levels[i] = level
+  if not give and level < amount then ok = false end
+end
+local out = {}
+for i = 1, #KEYS do
+  local cap = tonumber(ARGV[2 * i])
+  local amount = tonumber(ARGV[2 * i + 1])
+  if ok then
+    local after = math.min(cap, levels[i] - amount)
+    redis.call('HSET', KEYS[i], 'level', string.format('%.6f', after),
+               'at', string.format('%.6f', now))
+    redis.call('PEXPIRE', KEYS[i], math.ceil((cap - after) * 60000 / cap) + 1000)
+  end
+  out[i] = string.format('%.6f', levels[i])
+end
+return out
+"""
+
+
+def redacted(url: str) -> str:
+    """``url`` without its password, for logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+class RedisStore:
+    name = "redis"
+
+    def __init__(self, url: str) -> None:
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
+        pool = redis.BlockingConnectionPool.from_url(
+            url, max_connections=MAX_CONNECTIONS, timeout=TIMEOUT, socket_timeout=TIMEOUT,
+            socket_connect_timeout=TIMEOUT, retry=Retry(NoBackoff(), 0),
+            health_check_interval=0)
+        self._client: Any = redis.Redis(connection_pool=pool)
+        self._script = self._client.register_script(SCRIPT)
+
+    def apply(self, tenant: str, takes: Sequence[Take], give: bool = False) -> Verdict:
+        keys = [f"{KEY_PREFIX}{tenant}:{t.kind}" for t in takes]
+        args: list[Any] = ["1" if give else "0"]
+        for take in takes:
+            args += [take.capacity, repr(float(take.amount))]
+        try:
+            raw = self._script(keys=keys, args=args)
+            levels = [float(x) for x in raw]
+        except self._errors as exc:
+            raise StoreDown(" ".join(str(exc).split())[:200] or type(exc).__name__) from None
+        except (TypeError, ValueError) as exc:
+            raise StoreDown(f"unreadable answer: {exc}") from None
+        return decide(levels, takes, give)
+
+    def close(self) -> None:
+        self._client.close()
+
+
+class Limiter:
+    """The buckets a request is counted in: the shared store while it answers, the host's
+    own otherwise (docs/behaviour.md#admission). ``up``: None without a shared store."""
+
+    def __init__(self, state_dir: str | None) -> None:
+        self.local: Store = local_store(state_dir)
+        self._url = ""
+        self._shared: RedisStore | None = None
+        self._retry_at = 0.0
+        self.up: bool | None = None
+
+    def configure(self, url: str) -> None:
+        """Use the store at ``url`` (empty: none) from the next request on."""
+        if url == self._url:
+            return
+        if self._shared is not None:
+            self._shared.close()
+        self._url, self._shared, self._retry_at = url, None, 0.0
+        self.up = None
+        if url:
+            self._shared = RedisStore(url)
+            self.up = True
+
+    def apply(self, tenant: str, takes: Sequence[Take], give: bool = False) -> Verdict:
+        shared = self._shared
+        if shared is not None and time.monotonic() >= self._retry_at:
+            try:
+                verdict = shared.apply(tenant, takes, give)
+            except StoreDown as exc:
+                self._retry_at = time.monotonic() + RETRY_SECONDS
+                if self.up:
+                    logger.warning("admission: the rate-limit store %s does not answer (%s); "
+                                   "each host counts its own until it does",
+                                   redacted(self._url), exc)
+                self.up = False
+            else:
+                if self.up is False:
+                    logger.info("admission: the rate-limit store %s answers again",
+                                redacted(self._url))
+                self.up = True
+                return verdict
+        return self.local.apply(tenant, takes, give)
+
+    def close(self) -> None:
+        if self._shared is not None:
+            self._shared.close()
+            self._shared = None
+        close = getattr(self.local, "close", None)
+        if close is not None:
+            close()

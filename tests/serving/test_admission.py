@@ -1,0 +1,161 @@
+"""Admission control through real HTTP (docs/behaviour.md#admission): a full fleet queues
+requests instead of sending them, high priority overtakes low, tenants of one class share by
+weight, and a client that leaves the queue never reaches an instance."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import Counter
+from typing import Any
+
+import gevent
+import requests
+
+from tests.bodies import chat
+from tests.helpers import RawStream, eventually
+from tests.rosters import roster
+
+TENANTS = {"chat": {"weight": 4, "priority": "high"}, "batch": {"weight": 1, "priority": "low"},
+           "a": {"weight": 4}, "b": {"weight": 1}}
+ADMISSION = {"tenant_header": "X-Tenant", "queue_timeout": 20}
+#: A stream that lasts until its client hangs up (400 tokens 50 ms apart).
+HOLD = chat("hold the only place", stream=True, max_tokens=400)
+
+
+def one_place(sim: Any, proxy: Any, tenants: dict[str, Any] = TENANTS,
+              **admission: Any) -> tuple[Any, Any]:
+    """A proxy in front of one prefill_decode instance that takes one request at a time."""
+    server = sim("prefill_decode", token_delay=0.05, output_tokens=400)
+    doc = roster(combined=[(server, {"max_concurrency": 1})],
+                 admission={**ADMISSION, **admission})
+    doc["tenants"] = tenants
+    return server, proxy(doc)
+
+
+def post(px: Any, tenant: str, content: str, **fields: Any) -> requests.Response:
+    return requests.post(px.url + "/v1/chat/completions", timeout=30,
+                         json=chat(content, max_tokens=1, **fields), headers={"X-Tenant": tenant})
+
+
+def arrivals(server: Any) -> list[str]:
+    """The user message of every completion the instance received, in arrival order."""
+    return [r["body"]["messages"][0]["content"] for r in server.state.requests()
+            if r.get("path") == "/v1/chat/completions"]
+
+
+def hold_the_place(px: Any) -> RawStream:
+    held = RawStream(px.url, "/v1/chat/completions", HOLD)
+    held.first_event()
+    return held
+
+
+def test_a_full_instance_queues_and_high_priority_overtakes_low(sim, proxy, caplog) -> None:
+    server, px = one_place(sim, proxy)
+    gate = px.services.admission
+    held = hold_the_place(px)
+    pending = [gevent.spawn(post, px, "batch", f"batch {n}") for n in range(2)]
+    eventually(lambda: gate.waiting == 2, what="two batch requests waiting")
+    pending.append(gevent.spawn(post, px, "chat", "chat 0"))
+    eventually(lambda: gate.waiting == 3, what="the chat request waiting too")
+    assert arrivals(server) == [HOLD["messages"][0]["content"]], "a waiting request went out"
+    with caplog.at_level(logging.INFO, logger="epd_flask.requests"):
+        held.hang_up()
+        answers = [g.get(timeout=20) for g in pending]
+    assert [a.status_code for a in answers] == [200, 200, 200]
+    assert arrivals(server)[1:] == ["chat 0", "batch 0", "batch 1"]
+    lines = [r.getMessage() for r in caplog.records if "tenant=chat" in r.getMessage()]
+    assert len(lines) == 1 and "queue_ms=" in lines[0] and "first_byte_ms=" in lines[0]
+    waited = float(re.search(r" queue_ms=(\S+)", lines[0]).group(1))
+    first_byte = float(re.search(r" first_byte_ms=(\S+)", lines[0]).group(1))
+    assert 0 < waited <= first_byte, "the wait is part of the time to first byte"
+
+
+def test_tenants_of_one_class_are_served_in_the_ratio_of_their_weights(sim, proxy) -> None:
+    server, px = one_place(sim, proxy)
+    gate = px.services.admission
+    held = hold_the_place(px)
+    flood = [gevent.spawn(post, px, tenant, f"{tenant} {n}")
+             for n in range(30) for tenant in ("b", "a")]
+    eventually(lambda: gate.waiting == 60, what="both tenants' floods waiting")
+    server.state.configure(token_delay=0.0)  # the held stream ends, the flood runs quickly
+    held.hang_up()
+    answers = [g.get(timeout=30) for g in flood]
+    assert all(a.status_code == 200 for a in answers)
+    served = Counter(name.split()[0] for name in arrivals(server)[1:26])
+    # Both kept requests waiting throughout the first 25: 4:1 within 10 %.
+    assert 18 <= served["a"] <= 22 and served["a"] + served["b"] == 25, served
+
+
+def test_a_tenant_alone_may_use_the_whole_fleet(sim, proxy) -> None:
+    server = sim("prefill_decode", token_delay=0.05, output_tokens=400)
+    doc = roster(combined=[(server, {"max_concurrency": 3})], admission=ADMISSION)
+    doc["tenants"] = TENANTS
+    px = proxy(doc)
+    streams = [RawStream(px.url, "/v1/chat/completions", {**HOLD, "user": str(n)})
+               for n in range(3)]
+    for stream in streams:
+        stream.first_event()  # all three run at once: a weight is a share of what is short
+    assert px.services.admission.waiting == 0
+    blocked = gevent.spawn(post, px, "b", "the fourth")
+    eventually(lambda: px.services.admission.waiting == 1, what="the fourth waiting")
+    streams[0].hang_up()
+    assert blocked.get(timeout=20).status_code == 200
+    for stream in streams[1:]:
+        stream.hang_up()
+
+
+def test_a_client_that_leaves_the_queue_never_reaches_an_instance(sim, proxy, caplog) -> None:
+    server, px = one_place(sim, proxy)
+    gate = px.services.admission
+    held = hold_the_place(px)
+    with caplog.at_level(logging.INFO, logger="epd_flask.requests"):
+        leaving = RawStream(px.url, "/v1/chat/completions", chat("leaving", max_tokens=1))
+        eventually(lambda: gate.waiting == 1, what="the request waiting")
+        leaving.hang_up()
+        eventually(lambda: gate.waiting == 0, what="the departed request out of the queue")
+        held.hang_up()
+        after = post(px, "a", "after")
+    assert after.status_code == 200
+    assert "leaving" not in arrivals(server)
+    assert any("status=499" in r.getMessage() and "queue_ms=" not in r.getMessage()
+               for r in caplog.records)
+
+
+def test_a_request_waits_no_longer_than_queue_timeout(sim, proxy) -> None:
+    server, px = one_place(sim, proxy, queue_timeout=0.3)
+    held = hold_the_place(px)
+    refused = post(px, "a", "too late")
+    assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
+    assert refused.json()["error"]["code"] == "overloaded"
+    assert "too late" not in arrivals(server)
+    assert px.services.admission.snapshot()["tenants"]["a"]["rejected"] == {"queue_timeout": 1}
+    held.hang_up()
+
+
+def test_past_max_queue_a_request_is_refused_at_once(sim, proxy) -> None:
+    server, px = one_place(sim, proxy, max_queue=1)
+    gate = px.services.admission
+    held = hold_the_place(px)
+    waiting = gevent.spawn(post, px, "a", "waits")
+    eventually(lambda: gate.waiting == 1, what="one request waiting")
+    refused = post(px, "b", "refused")
+    assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
+    held.hang_up()
+    assert waiting.get(timeout=20).status_code == 200
+    assert "refused" not in arrivals(server)
+
+
+def test_forward_priority_gives_vllm_the_tenants_class(sim, proxy) -> None:
+    server, px = one_place(sim, proxy, forward_priority=True)
+    for tenant in ("chat", "a", "batch"):
+        assert post(px, tenant, f"from {tenant}", priority=7).status_code == 200
+    sent = {r["body"]["messages"][0]["content"]: r["body"]["priority"]
+            for r in server.state.requests() if r.get("path") == "/v1/chat/completions"}
+    assert sent == {"from chat": -1, "from a": 0, "from batch": 1}
+
+
+def test_without_forward_priority_the_clients_priority_passes(sim, proxy) -> None:
+    server, px = one_place(sim, proxy)
+    assert post(px, "chat", "mine", priority=3).status_code == 200
+    assert server.state.requests(1)[0]["body"]["priority"] == 3

@@ -1,0 +1,127 @@
+"""The host's count of running requests per instance, summed over its workers' files, and
+when an instance is full (docs/behaviour.md#admission)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from epd_flask.control.roster import parse
+from epd_flask.control.statedir import StateDir
+from epd_flask.fleet import loadboard
+from epd_flask.fleet.live import LiveFleet
+from epd_flask.fleet.loadboard import LoadBoard
+from epd_flask.fleet.policies import candidates_of
+from epd_flask.fleet.routing import LiveInstances
+from epd_flask.fleet.saturation import ENGINE_WAITING_FULL, Capacity, RoomySource
+
+A, B = "http://127.0.0.1:9001", "http://127.0.0.1:9002"
+
+
+def boards(tmp_path, n: int = 2) -> list[LoadBoard]:
+    started = [LoadBoard(tmp_path) for _ in range(n)]
+    for board in started:
+        board.start()
+    return started
+
+
+def test_every_worker_sees_the_hosts_total(tmp_path) -> None:
+    one, two = boards(tmp_path)
+    try:
+        one.add(A, 1)
+        one.add(A, 1)
+        two.add(A, 1)
+        two.add(B, 1)
+        assert (one.count(A), two.count(A), one.count(B)) == (3, 3, 1)
+        one.add(A, -2)
+        assert two.count(A) == 1 and one.own(A) == 0
+    finally:
+        one.stop()
+        two.stop()
+    assert not list(tmp_path.glob("load-*.bin")), "a stopped worker leaves no file"
+
+
+def test_a_worker_that_died_stops_counting(tmp_path) -> None:
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    dead_pid = int(gone.stdout)
+    board = LoadBoard(tmp_path)
+    board.start()
+    try:
+        board.add(A, 2)
+        # A file a worker left with 2 running on A, and a live sibling's with the same.
+        (tmp_path / f"load-{dead_pid}.bin").write_bytes(board._path.read_bytes())
+        (tmp_path / f"load-{os.getppid()}.bin").write_bytes(board._path.read_bytes())
+        assert board.count(A) == 4, "the dead worker's file is not summed, the live one's is"
+        StateDir(tmp_path).forget_worker(dead_pid)  # what the master does when it reaps one
+        assert not (tmp_path / f"load-{dead_pid}.bin").exists()
+    finally:
+        board.stop()
+
+
+def test_a_full_file_is_laid_out_again_and_readers_follow(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(loadboard, "SLOTS", 4)
+    one, two = boards(tmp_path)
+    try:
+        for n in range(4):
+            one.add(f"http://127.0.0.1:{9100 + n}", 1)
+        assert two.count("http://127.0.0.1:9100") == 1
+        for n in range(3):
+            one.add(f"http://127.0.0.1:{9100 + n}", -1)
+        one.add("http://127.0.0.1:9200", 5)  # no slot left: the idle ones are dropped
+        assert two.count("http://127.0.0.1:9200") == 5
+        assert two.count("http://127.0.0.1:9103") == 1
+        assert two.count("http://127.0.0.1:9100") == 0
+    finally:
+        one.stop()
+        two.stop()
+
+
+def fleet(max_concurrency: int | None = 2) -> LiveFleet:
+    extra = {} if max_concurrency is None else {"max_concurrency": max_concurrency}
+    return LiveFleet(parse({"instances": [{"role": "prefill_decode", "url": A, **extra},
+                                          {"role": "prefill_decode", "url": B, **extra}]}))
+
+
+def test_room_is_the_free_places_less_the_requests_let_through() -> None:
+    live = fleet()
+    board = LoadBoard(None)
+    capacity = Capacity(live, board)
+    assert capacity.active and capacity.room("prefill_decode", None, reserved=3)
+    board.add(A, 2)
+    assert capacity.full(live.view.instances[0])
+    assert capacity.room("prefill_decode", None, reserved=1)
+    assert not capacity.room("prefill_decode", None, reserved=2)
+    board.add(B, 2)
+    assert not capacity.room("prefill_decode", None)
+
+
+def test_an_engine_with_a_queue_is_full_whatever_its_bound() -> None:
+    live = fleet(max_concurrency=None)
+    waiting = {A: ENGINE_WAITING_FULL, B: ENGINE_WAITING_FULL - 1}
+    capacity = Capacity(live, LoadBoard(None), waiting=lambda s: waiting[s.instance.url])
+    assert [capacity.full(i) for i in live.view.instances] == [True, False]
+    assert capacity.room("prefill_decode", None)
+    waiting[B] += 1
+    assert not capacity.room("prefill_decode", None)
+
+
+def test_routing_prefers_instances_with_room() -> None:
+    live = fleet()
+    board = LoadBoard(None)
+    source = RoomySource(LiveInstances(live), Capacity(live, board))
+    assert [c.url for c in source.candidates("prefill_decode", None, None)] == [A, B]
+    board.add(A, 2)
+    assert [c.url for c in source.candidates("prefill_decode", None, None)] == [B]
+    board.add(B, 2)  # every one full: all stay candidates (admission held the request back)
+    assert len(source.candidates("prefill_decode", None, None)) == 2
+
+
+def test_without_admission_nothing_is_filtered() -> None:
+    live = LiveFleet(parse({"instances": [{"role": "prefill_decode", "url": A},
+                                          {"role": "prefill_decode", "url": B}]}))
+    capacity = Capacity(live, LoadBoard(None))
+    assert not capacity.active
+    assert candidates_of(live.view.instances) == \
+        RoomySource(LiveInstances(live), capacity).candidates("prefill_decode", None, None)
