@@ -32,6 +32,8 @@ logger = logging.getLogger(__name__)
 HANG_CAP_SECONDS = 600.0
 #: What a proxy's prober reads every round: counted, but kept out of the request record.
 PROBED_PATHS = ("/health", "/v1/models", "/metrics")
+#: Set in the environ of a completion that has its place in the batch (batch.py).
+SLOT = "sim.slot"
 RECORDED_RAW_BODY_CHARS = 2048
 DP_RANK_HEADER = "HTTP_X_DATA_PARALLEL_RANK"
 
@@ -166,7 +168,7 @@ class SimApp:
             return result
         finally:
             if not handed_off:
-                state.leave(request_id)
+                state.leave(request_id, slot=bool(environ.get(SLOT)))
 
     def tokenize(self, environ: dict[str, Any], start_response: StartResponse) -> WSGIResult:
         """vLLM's ``POST /tokenize``: the very token ids the sim's prefix cache (and its KV
@@ -252,6 +254,12 @@ class SimApp:
             state.engine_dead = True
             return result
         cfg = state.config
+        if not state.batch.acquire(cfg.max_num_seqs, _priority(body), cfg.scheduling_policy,
+                                   lambda: pacing.client_gone(sock)):
+            state.abort(stream=req.stream)  # left while waiting for a place: vLLM aborts it
+            pacing.hang_up(sock)
+            return json_response(start_response, 499, {"error": "client gone"})
+        environ[SLOT] = True
         ttft, token_delay = self._costs(answer)
         if answer.pull is not None:
             # The decode's own TTFT runs while it waits for the KV: the first token comes at
@@ -374,6 +382,15 @@ class SimApp:
     def sim(self, environ: dict[str, Any], start_response: StartResponse) -> WSGIResult:
         handler = CONTROL[environ["PATH_INFO"]]
         return handler(self.state, environ, start_response)
+
+
+def _priority(body: dict[str, Any] | None) -> int:
+    """The request's ``priority`` as vLLM's lax model reads it (0 when absent)."""
+    value = (body or {}).get("priority", 0)
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 0
 
 
 def _recording_status(start_response: StartResponse, entry: dict[str, Any]) -> StartResponse:

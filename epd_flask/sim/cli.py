@@ -9,6 +9,7 @@ import sys
 
 import gevent
 
+from .batch import POLICIES as SCHEDULING_POLICIES
 from .config import DEFAULT_KV_CACHE_BLOCKS, EC_METADATA_MODES, KV_CONNECTORS, ROLES, SimConfig
 from .kvcache import DEFAULT_BLOCK_SIZE
 from .server import SimServer
@@ -45,6 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token-delay-per-stream-ms", type=float, default=0.0,
                    help="cost model: milliseconds added to --token-delay-ms per other running "
                    "stream (default: %(default)s)")
+    p.add_argument("--max-num-seqs", type=int, default=0,
+                   help="requests the engine runs at once, the others wait, as vLLM's "
+                   "--max-num-seqs; 0 = no bound (default: %(default)s)")
+    p.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
+                   help="the order waiting requests run in, as vLLM's: fcfs, or priority "
+                   "(lowest `priority` first) (default: %(default)s)")
     p.add_argument("--kv-cache-blocks", type=int, default=DEFAULT_KV_CACHE_BLOCKS,
                    help="prefix cache size in blocks, LRU (default: %(default)s)")
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
@@ -110,6 +117,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         token_delay=args.token_delay_ms / MS, output_tokens=args.output_tokens,
         prefill_tokens_per_s=args.prefill_tokens_per_s,
         token_delay_per_stream=args.token_delay_per_stream_ms / MS,
+        max_num_seqs=args.max_num_seqs, scheduling_policy=args.scheduling_policy,
         kv_cache_blocks=args.kv_cache_blocks, block_size=args.block_size,
         kv_events_config=args.kv_events_config,
         secret=args.secret, engine_id=args.engine_id, dp_size=args.dp_size,

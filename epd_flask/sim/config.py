@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import kvevents
+from .batch import POLICIES as SCHEDULING_POLICIES
 from .kvcache import DEFAULT_BLOCK_SIZE
 
 ROLES = ("encode", "prefill", "decode", "prefill_decode")
@@ -32,7 +33,7 @@ LIVE_KNOBS = frozenset(
     {"ttft", "token_delay", "output_tokens", "max_model_len", "ec_metadata", "model",
      "record_health", "kv_timeout", "prefill_tokens_per_s", "token_delay_per_stream",
      "kv_cache_blocks", "block_size", "kv_events_config", "kv_params_extra",
-     "kv_params_omit"}
+     "kv_params_omit", "max_num_seqs", "scheduling_policy"}
 )
 #: The prefix cache's default size in blocks: thousands of distinct prompts.
 DEFAULT_KV_CACHE_BLOCKS = 65536
@@ -95,6 +96,10 @@ class SimConfig:
     # these values) and keys left out.
     kv_params_extra: dict[str, Any] = dataclasses.field(default_factory=dict)
     kv_params_omit: list[str] = dataclasses.field(default_factory=list)
+    # vLLM's --max-num-seqs (0: no bound) and --scheduling-policy: how many requests run at
+    # once, and in which order the others wait (batch.py).
+    max_num_seqs: int = 0
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -158,6 +163,13 @@ def coerce_knob(name: str, value: Any) -> Any:
         return kvevents.parse_config(value)
     if name == "max_model_len":
         return _int_at_least(name, value, 1)
+    if name == "max_num_seqs":
+        return _int_at_least(name, value, 0)
+    if name == "scheduling_policy":
+        if value not in SCHEDULING_POLICIES:
+            raise ValueError("scheduling_policy must be one of "
+                             f"{', '.join(SCHEDULING_POLICIES)}")
+        return value
     if name == "ec_metadata":
         if value not in EC_METADATA_MODES:
             raise ValueError(f"ec_metadata must be one of {', '.join(EC_METADATA_MODES)}")

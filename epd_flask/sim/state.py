@@ -13,6 +13,7 @@ from collections import Counter, deque
 from typing import Any
 
 from . import kvevents
+from .batch import Batch
 from .config import LIVE_KNOBS, SimConfig, coerce_knob
 from .costmodel import EngineClock
 from .kvcache import BlockAllocator, PrefixCache
@@ -86,6 +87,7 @@ class SimState:
         self.kv_publisher: kvevents.Publisher | None = None
         self._serving = False
         self.engine = EngineClock()
+        self.batch = Batch()
         self.blocks = BlockAllocator()
         self.transfers = TransferBook()
         self._records: deque[dict[str, Any]] = deque(maxlen=self.config.record_limit)
@@ -223,10 +225,11 @@ class SimState:
 
     def engine_gauges(self, now: float | None = None) -> tuple[int, int, float]:
         """What vLLM's scheduler would report now: (requests running, requests waiting, KV
-        cache usage from 0 to 1). Waiting are the prefills the cost model has queued and not
-        started; every other completion in flight runs; usage counts the blocks the requests
+        cache usage from 0 to 1). Waiting are the requests past ``max_num_seqs`` (batch.py)
+        and the prefills the cost model has queued and not started; every other completion in
+        flight runs; usage counts the blocks the requests
         in flight hold (the cost model's, 0 without it)."""
-        waiting = self.engine.waiting(now)
+        waiting = self.batch.waiting + self.engine.waiting(now)
         running = max(0, self._counters["in_flight"] - waiting)
         usage = min(1.0, self.engine.blocks_held(now) / max(1, self.config.kv_cache_blocks))
         return running, waiting, usage
@@ -267,7 +270,10 @@ class SimState:
                 self._counters["request_ids_reused"] += 1
             self._live_ids[request_id] += 1
 
-    def leave(self, request_id: str | None = None) -> None:
+    def leave(self, request_id: str | None = None, slot: bool = False) -> None:
+        """A completion ended; ``slot``: it had its place in the batch (batch.py)."""
+        if slot:
+            self.batch.release(self.config.max_num_seqs)
         self._counters["in_flight"] -= 1
         if request_id is not None:
             self._live_ids[request_id] -= 1

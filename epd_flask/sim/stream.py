@@ -119,7 +119,7 @@ class StreamBody:
         if self._outcome is not None:
             return
         self._outcome = outcome
-        self._state.leave(self._request_id)
+        self._state.leave(self._request_id, slot=True)
         if outcome == "completed":
             self._state.count("streams_completed")
         elif outcome == "dropped":
