@@ -75,7 +75,7 @@ def test_a_file_that_is_not_a_roster_is_described_by_its_lines_only(tmp_path: Pa
     assert str(info.value) == (
         f"{path}: not a roster: its 2 top-level keys (lines 1, 2) are not a roster's (not "
         "shown: the file may be something else); a roster has only 'settings', "
-        "'discovery', 'instances'")
+        "'discovery', 'tenants', 'instances'")
     path.write_text(NOT_ROSTERS["shadow"])
     with pytest.raises(RosterError, match=r"not a roster: its 2 top-level keys \(lines 1, 2\) "
                                           r"are not a roster's \(not shown"):
