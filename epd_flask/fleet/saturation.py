@@ -2,15 +2,16 @@
 (docs/behaviour.md#admission).
 
 An instance is full when the requests this proxy host has running on it (every worker's,
-``loadboard.py``) reach its roster ``max_concurrency``, or, given a ``Waiting`` that knows its
-engine's queue (vLLM's ``vllm:num_requests_waiting``: the one signal every proxy host
-shares), when that queue holds ``ENGINE_WAITING_FULL`` or more. Routing prefers instances
-that are not full (``RoomySource``); admission holds a request back while every candidate of
-a role it needs is full.
+``loadboard.py``) reach its roster ``max_concurrency``, or when its engine's queue (vLLM's
+``vllm:num_requests_waiting``, read by the prober: the one signal every proxy host shares)
+holds ``ENGINE_WAITING_FULL`` or more. Routing prefers instances that are not full
+(``RoomySource``); admission holds a request back while every candidate of a role it needs
+is full.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from epd_flask.control.roster import Instance, admits
@@ -18,7 +19,7 @@ from epd_flask.fleet.live import FleetView, LiveFleet
 from epd_flask.fleet.loadboard import LoadBoard
 from epd_flask.fleet.policies import Placement
 from epd_flask.fleet.registry import InstanceState
-from epd_flask.fleet.routing import CandidateSource, Readiness
+from epd_flask.fleet.routing import ENGINE_MAX_AGE, CandidateSource, Readiness
 
 #: An engine with this many requests waiting is full. vLLM puts every new request in its
 #: waiting queue until its next step schedules it, so one or two waiting are the ordinary
@@ -35,6 +36,26 @@ def no_engine_signal(state: InstanceState) -> int | None:
     return None
 
 
+def engine_waiting(live: LiveFleet) -> Waiting:
+    """The engine's waiting queue as the prober last read it (``vllm:num_requests_waiting``),
+    while that read is fresh (as routing's load takes it), corrected by this worker's calls
+    opened or closed since when the engine was queueing then: a call sent to a queueing
+    engine waits, one that ends lets a waiting request run. An engine that queued nothing at
+    its last read counts as not queueing until the next one: most calls sent meanwhile run."""
+    def waiting(state: InstanceState) -> int | None:
+        engine, read_at = state.engine, state.engine_read_at
+        if engine is None or read_at is None:
+            return None
+        settings = live.settings
+        max_age = ENGINE_MAX_AGE * max(settings.probe_interval, settings.engine_metrics_interval)
+        if time.monotonic() - read_at > max_age:
+            return None
+        if engine.waiting <= 0:
+            return 0
+        return max(0, engine.waiting + state.in_flight - state.engine_calls_at_read)
+    return waiting
+
+
 def engine_full(waiting: int | None) -> bool:
     """Whether an engine with ``waiting`` requests in its queue takes no more now."""
     return waiting is not None and waiting >= ENGINE_WAITING_FULL
@@ -43,11 +64,10 @@ def engine_full(waiting: int | None) -> bool:
 class Capacity:
     """Reads the host's load (the board) and the engines' queues against the roster."""
 
-    def __init__(self, live: LiveFleet, board: LoadBoard,
-                 waiting: Waiting = no_engine_signal) -> None:
+    def __init__(self, live: LiveFleet, board: LoadBoard, waiting: Waiting | None = None) -> None:
         self.live = live
         self.board = board
-        self.waiting = waiting
+        self.waiting = waiting if waiting is not None else engine_waiting(live)
         self._view: FleetView | None = None
         self._active = False
 

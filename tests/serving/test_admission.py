@@ -159,3 +159,26 @@ def test_without_forward_priority_the_clients_priority_passes(sim, proxy) -> Non
     server, px = one_place(sim, proxy)
     assert post(px, "chat", "mine", priority=3).status_code == 200
     assert server.state.requests(1)[0]["body"]["priority"] == 3
+
+
+def test_an_engine_that_reports_a_queue_is_full_for_every_host(sim, proxy) -> None:
+    """Another host's requests fill the engine (sent to it directly here): the prober reads
+    its waiting queue, and this proxy holds its own request back until the queue is gone."""
+    server = sim("prefill_decode", token_delay=0.05, output_tokens=400, max_num_seqs=1)
+    doc = roster(combined=[server], admission=ADMISSION, probe_interval=0.1,
+                 engine_metrics_interval=0.1)
+    doc["tenants"] = TENANTS
+    px = proxy(doc, probes=True)
+    gate = px.services.admission
+    others = [RawStream(server.url, "/v1/chat/completions", {**HOLD, "user": str(n)})
+              for n in range(5)]
+    others[0].first_event()  # one runs, four wait in the engine
+    eventually(lambda: gate.capacity.full(px.services.live.view.instances[0]),
+               what="the prober reading the engine's queue")
+    waiting = gevent.spawn(post, px, "a", "from this host")
+    eventually(lambda: gate.waiting == 1, what="this host's request waiting in the proxy")
+    assert "from this host" not in arrivals(server)
+    for other in others:
+        other.hang_up()
+    assert waiting.get(timeout=20).status_code == 200
+    assert "from this host" in arrivals(server)
