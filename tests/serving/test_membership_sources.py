@@ -143,7 +143,9 @@ def test_etcd_watched_endpoint_gone_silent_fails_over_to_one_that_answers(
         etcd.put_record(prefix, "a", record(9061))
         source.start()
         assert eventually(lambda: offers.urls == ["http://127.0.0.1:9061"])
-        assert source._watch is not None and source._watch.endpoint == silent.url
+        # The read offers before the watch is opened: wait for the watch itself.
+        assert eventually(lambda: source._watch is not None)
+        assert source._watch.endpoint == silent.url
         silent.freeze()
         etcd.put_record(prefix, "b", record(9062))
         assert eventually(lambda: offers.urls == ["http://127.0.0.1:9061",
