@@ -36,7 +36,7 @@ class RequestTrace(Protocol):
     #: to compute are worked out only then.
     recording: bool
 
-    def call(self, stage: str, role: str, url: str, upstream_id: str) -> CallTrace:
+    def call(self, stage: str, role: str, url: str) -> CallTrace:
         """A span for one upstream call of ``stage`` to the instance at ``url``."""
 
     def decided(self, role: str, policy: str, outcome: str, url: str) -> None:

@@ -21,7 +21,6 @@ from typing import Any
 from epd_flask.control.roster import Instance
 from epd_flask.core import jsoncodec
 from epd_flask.core.errors import BackendError, ProxyError
-from epd_flask.core.headers import REQUEST_ID_HEADER
 from epd_flask.core.tracing import CallTrace, RequestTrace
 from epd_flask.fleet import policies
 from epd_flask.fleet.kvcache import MAX_TOKEN_ID, CachePicture, are_token_ids, prompt_keys
@@ -146,8 +145,7 @@ class Tokenizer:
         if wanted is None:
             return NO_TOKENS
         headers = headers if headers is not None else self.headers
-        span = trace.call(STAGE, instance.role, instance.url,
-                          headers.get(REQUEST_ID_HEADER, "")) if trace is not None else None
+        span = trace.call(STAGE, instance.role, instance.url) if trace is not None else None
         if span is not None:
             headers = {**headers, **span.headers}
         return tuple(self._tokenize(instance.url, wanted, headers, span))

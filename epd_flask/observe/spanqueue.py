@@ -75,18 +75,21 @@ class SpanQueue(SpanProcessor):
 
     def _run(self) -> None:
         while True:
-            self._wake.wait(self._delay)
+            woken = self._wake.wait(self._delay)
             self._wake.clear()
             try:
-                self._export_all()
+                # Woken by a full batch: full batches only (a post costs the same for 3 spans
+                # as for 512, so the rest waits to fill); the delay passed: everything.
+                self._export_all(full_only=woken)
             except Exception:  # the loop must outlive any one bad batch
                 logger.exception("tracing: exporting spans failed")
 
-    def _export_all(self) -> None:
+    def _export_all(self, full_only: bool = False) -> None:
         with self._exporting:
-            while self._queue:
-                count = min(self._batch, len(self._queue))
-                self._export([self._queue.popleft() for _ in range(count)])
+            queue = self._queue
+            while queue and (len(queue) >= self._batch or not full_only):
+                count = min(self._batch, len(queue))
+                self._export([queue.popleft() for _ in range(count)])
 
     def _export(self, batch: Sequence[ReadableSpan]) -> None:
         """One batch; cut short (a flush's deadline, the worker stopping), it counts as

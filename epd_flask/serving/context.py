@@ -188,7 +188,7 @@ class RequestContext:
         other way out (the request killed, its client gone) closes it blaming nobody."""
         leg = OpenLeg(stage, role, url)
         if self.trace is not None:
-            leg.span = self.trace.call(stage, role, url, self.attempt_id)
+            leg.span = self.trace.call(stage, role, url)
         self.legs.append(leg)
         if self.on_leg is not None:
             self.on_leg(url, 1)

@@ -371,8 +371,9 @@ class Pipeline:
                 chunks = self.transport.iter_raw(resp, "decode")
                 first = next(chunks, b"")
                 ctx.mark("decode_first_byte", started)
-                call.first_byte()
-                if not stream:
+                if stream:
+                    call.first_byte()  # a whole answer's first byte is its end: the span's
+                else:
                     data = first + b"".join(chunks)
             except BaseException:
                 resp.close()

@@ -30,6 +30,10 @@ MEASURED = ("epd_flask", "tests/bench", "etc", "setup.cfg", "gunicorn.conf.py", 
 STREAMING = {"b", "c", "d-streams"}
 SLOW_MS = 50  # run.SLOW_ENCODER_MS
 EPD_PROXY = "vllm-epd-proxy"  # run.EPD_PROXY
+TRACED = "epd-flask+tracing"  # run.TRACED
+#: Tracing on, every request recorded, may cost at most this much proxy CPU per request
+#: over tracing off (a32).
+TRACING_CPU_LIMIT = 1.2
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -154,6 +158,10 @@ def render(meta: dict[str, Any], results: list[dict[str, Any]]) -> str:
             f"| {_f(ratios[EPD_PROXY], 2)} "
             f"| {_f(s['sim_cpu_ms'], 2)} | {'-' if direct else _f(s['rss'], 0)} |")
     lines += ["", *targets_section(table)]
+    if meta.get("tracing"):
+        got = meta["tracing"]
+        lines += ["", f"{TRACED}: the collector received {got['spans']} spans in "
+                  f"{got['posts']} posts."]
     errors = [(k, s["error_samples"]) for k, s in table.items() if s["error_samples"]]
     if errors:
         lines += ["", "Error samples:", ""]
@@ -252,6 +260,16 @@ def targets_section(table: dict[tuple[str, str, str], dict[str, Any]]) -> list[s
                    f"| p50 {skew['lat_p50']:.1f} ms vs {flat['lat_p50']:.1f} ms with none slow: "
                    f"+{extra:.1f} ms (items run at once: about +{SLOW_MS} ms, not the sum) "
                    f"| {'yes' if 0.7 * SLOW_MS <= extra <= 1.5 * SLOW_MS else 'no'} |")
+    for (workload, group, target), traced in table.items():
+        off = get(workload, "epd-flask", group)
+        if target != TRACED or not off or not off["cpu_ms"] or traced["cpu_ms"] is None:
+            continue
+        r = traced["cpu_ms"] / off["cpu_ms"]
+        bound = workload == "a32"
+        out.append(f"| {group}: proxy CPU/request, tracing on (every request recorded) "
+                   f"{'≤ ' + format(TRACING_CPU_LIMIT, 'g') + 'x' if bound else 'vs'} off "
+                   f"| {traced['cpu_ms']:.2f} vs {off['cpu_ms']:.2f} ms = {r:.2f}x "
+                   f"| {('yes' if r <= TRACING_CPU_LIMIT else 'no') if bound else '-'} |")
     a32_direct, a32 = get("a32", "direct"), get("a32", "epd-flask")
     if a32_direct and a32 and a32["rps"]:
         out.append(f"| simulator never the bottleneck | direct-to-decode a32 "

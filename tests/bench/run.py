@@ -47,6 +47,9 @@ ENCODERS = 4
 SLOW_ENCODER_MS = 50
 FD_LIMIT = 8192
 EPD_PROXY = "vllm-epd-proxy"
+#: epd-flask as shipped, with tracing on (``--tracing``): every request traced and exported.
+TRACED = "epd-flask+tracing"
+OTLP_SINK = Path(__file__).resolve().parent / "otlpsink.py"
 #: This benchmark's block in docs/benchmarks.md.
 LABEL = "bench"
 
@@ -316,6 +319,15 @@ def peer_version(python: str) -> str:
         return "unknown"
 
 
+def spans_received(sink: str) -> dict[str, int]:
+    """What the collector received, once the traced proxy's last batch is out (its export
+    runs every 5 s while a batch is not full)."""
+    time.sleep(6.0)
+    with urllib.request.urlopen(sink + "/count", timeout=5) as resp:
+        counts: dict[str, int] = json.loads(resp.read())
+    return counts
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The run's options; ``report`` is where its block goes ('' for nowhere)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -333,6 +345,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="markdown file whose `bench` block the report replaces (default: "
                    "docs/benchmarks.md for a whole run; none when --only, --quick, --repeats, "
                    "--targets or --profile make it a partial one; '' for none)")
+    p.add_argument("--tracing", action="store_true",
+                   help=f"also run {TRACED}: epd-flask with every request traced, its spans "
+                   "exported to a collector process (otlpsink.py), side by side")
     p.add_argument("--profile", default="",
                    help="directory: record py-spy stacks of the epd-flask worker per workload "
                    "(CPU figures of profiled runs are inflated; don't report them)")
@@ -384,16 +399,28 @@ def main(argv: list[str] | None = None) -> int:
         stall_flag, stall_log = workdir / "stall-probe-on", workdir / "stalls.log"
         if "direct" in targets_wanted:
             targets.append(Target("direct", decode, []))
-        if "epd-flask" in targets_wanted:
+        def epd_flask(name: str, env: dict[str, str] | None = None) -> None:
             port = free_port()
-            proc = fleet.spawn("epd-flask", [str(BIN / "gunicorn"), "-c", str(GUNICORN_CONF),
-                                             "wsgi:app"], env={
+            proc = fleet.spawn(name, [str(BIN / "gunicorn"), "-c", str(GUNICORN_CONF),
+                                      "wsgi:app"], env={
                 "EPD_WORKERS": "1", "EPD_BIND": f"127.0.0.1:{port}", "EPD_ROSTER": str(roster),
                 "EPD_BENCH_STALL_FLAG": str(stall_flag),
-                "EPD_BENCH_STALL_LOG": str(stall_log)})
+                "EPD_BENCH_STALL_LOG": str(stall_log), **(env or {})})
             url = f"http://127.0.0.1:{port}"
             wait_up(url + "/ready", proc)
-            targets.append(Target("epd-flask", url, [proc.pid]))
+            targets.append(Target(name, url, [proc.pid]))
+
+        if "epd-flask" in targets_wanted:
+            epd_flask("epd-flask")
+        sink = ""
+        if args.tracing:
+            # The collector runs in a process of its own: its CPU is not the proxy's. The
+            # default sampler records every request (none carries a traceparent).
+            port = free_port()
+            proc = fleet.spawn("otlp-sink", [sys.executable, str(OTLP_SINK), str(port)])
+            sink = f"http://127.0.0.1:{port}"
+            wait_up(sink + "/count", proc)
+            epd_flask(TRACED, {"OTEL_EXPORTER_OTLP_ENDPOINT": sink})
         if "vllm-router" in targets_wanted:
             port = free_port()
             proc = fleet.spawn("vllm-router", [
@@ -430,9 +457,9 @@ def main(argv: list[str] | None = None) -> int:
                 for target in targets:
                     if wl.media and target.name == EPD_PROXY:
                         continue
-                    prof = (Path(args.profile) / f"{wl.name}-{rep + 1}.txt"
-                            if args.profile and target.name == "epd-flask" else None)
-                    probe = wl.stall_probe is not None and target.name == "epd-flask"
+                    prof = (Path(args.profile) / f"{target.name}-{wl.name}-{rep + 1}.txt"
+                            if args.profile and target.name in ("epd-flask", TRACED) else None)
+                    probe = wl.stall_probe is not None and target.name in ("epd-flask", TRACED)
                     if probe:
                         stall_flag.touch()
                         time.sleep(0.3)  # the probe notices the flag
@@ -452,6 +479,7 @@ def main(argv: list[str] | None = None) -> int:
                 "router_version": router_version(args.router) if args.router else None,
                 "epd_proxy": (peer_version(args.epd_proxy_python)
                               if EPD_PROXY in targets_wanted else None),
+                "tracing": spans_received(sink) if sink else None,
                 "command": report.recorded_command(
                     ".venv/bin/python tests/bench/run.py",
                     sys.argv[1:] if argv is None else list(argv))}

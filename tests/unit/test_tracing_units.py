@@ -128,3 +128,18 @@ def test_tracing_on_loads_the_sdk_when_the_server_starts_it(tmp_path: Path) -> N
     assert on["built"] == [] and on["status"] == 200
     assert "opentelemetry.sdk.trace" in on["answered"]  # type: ignore[operator]
     assert not on["traced"]  # the request came before the start: not traced
+
+
+def test_the_readme_names_every_span_event_and_attribute() -> None:
+    """The names are a contract with the operators' dashboards: each one the code writes is
+    in the README's "Tracing" section."""
+    from epd_flask.observe import otelspans
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("## Tracing"):readme.index("## The simulator")]
+    names = {value for name, value in vars(otelspans).items()
+             if name.isupper() and isinstance(value, str) and name not in ("SCOPE",)}
+    names |= {"POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models"}
+    names |= set(otelspans.OPERATIONS.values())
+    missing = sorted(n for n in names if f"`{n}`" not in section)
+    assert not missing, f"not in the README's Tracing section: {missing}"
