@@ -63,6 +63,7 @@ CACHED_TOKENS = "gen_ai.usage.cache_read.input_tokens"
 REQUEST_ID = "epd.request_id"
 UPSTREAM_ID = "epd.upstream_id"
 RETRIES = "epd.retries"
+TENANT = "epd.tenant"
 CHUNKS = "epd.chunks"
 ROLE = "epd.role"
 STAGE = "epd.stage"
@@ -266,6 +267,8 @@ class SpanTrace:
                 attributes[HTTP_STATUS] = ctx.status
             if ctx.model is not None:
                 attributes[GEN_AI_MODEL] = ctx.model
+            if ctx.tenant is not None:
+                attributes[TENANT] = ctx.tenant
             if self._input_tokens is not None:
                 attributes[INPUT_TOKENS] = self._input_tokens
             if self._output_tokens is not None:

@@ -10,13 +10,14 @@ import secrets
 from collections.abc import Iterator
 from typing import Any
 
+import gevent
 import pytest
 import requests
 
 from epd_flask.core.errors import instance_label
 from epd_flask.serving.context import RequestContext
 from tests.bodies import chat, chat_stream, image, multimodal
-from tests.helpers import eventually, sample, scrape
+from tests.helpers import RawStream, eventually, sample, scrape
 from tests.otlp import Received, Receiver, tree
 from tests.rosters import roster
 
@@ -293,14 +294,25 @@ def test_a_tokenize_call_is_a_span_naming_itself(sim, proxy, collector) -> None:
     assert names(seen, call)
 
 
-def test_an_admission_wait_is_a_span_of_its_own(sim, proxy, collector) -> None:
-    """The hook admission work reports a wait through: a child of the server span with the
-    wait's own start and end."""
-    px = traced(proxy, roster([sim("prefill")], [sim("decode")]), collector.url)
+def test_a_request_that_waited_for_capacity_shows_its_wait_and_tenant(sim, proxy,
+                                                                    collector) -> None:
+    """Admission (docs/behaviour.md#admission) queues a request while the only instance is
+    busy: its trace has an ``admission`` span for the wait, before its call."""
+    server = sim("prefill_decode", token_delay=0.05, output_tokens=400)
+    doc = roster(combined=[(server, {"max_concurrency": 1})],
+                 admission={"tenant_header": "X-Tenant", "queue_timeout": 20})
+    doc["tenants"] = {"batch": {}}
+    px = traced(proxy, doc, collector.url)
+    held = RawStream(px.url, "/v1/chat/completions", chat("hold", stream=True, max_tokens=400))
+    held.first_event()
     rid = secrets.token_hex(8)
-    trace = px.services.tracing.begin({}, "POST", "/v1/chat/completions", rid, "u")
-    trace.waited("admission", 1_000_000_000, 1_250_000_000)
-    RequestContext(rid, "/v1/chat/completions", {}, trace=trace).finish(status=200)
+    pending = gevent.spawn(post, px, chat(max_tokens=1), rid=rid, **{"X-Tenant": "batch"})
+    eventually(lambda: px.services.admission.waiting == 1, what="the request waiting")
+    held.hang_up()
+    assert pending.get(timeout=20).status_code == 200
     root, spans = spans_of(collector, rid)
-    (wait,) = named(spans, "admission")
-    assert (wait.parent_id, wait.start_ns, wait.ms) == (root.span_id, 1_000_000_000, 250.0)
+    (wait,), (decode,) = named(spans, "admission"), named(spans, "decode")
+    assert wait.parent_id == root.span_id and wait.ms > 0
+    assert root.start_ns <= wait.start_ns <= wait.end_ns <= decode.start_ns
+    assert root.attributes["epd.tenant"] == "batch"
+    assert decode.attributes["epd.role"] == "prefill_decode"
