@@ -14,10 +14,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from types import MappingProxyType
 
 from epd_flask.control.roles import DECODE, PREFILL_DECODE
 from epd_flask.control.roster import (
+    EC_CONSUMERS,
     Instance,
     Roster,
     Settings,
@@ -51,12 +53,13 @@ class FleetView:
     #: The roster's tenants (docs/behaviour.md#admission).
     tenants: Mapping[str, Tenant] = field(default_factory=lambda: MappingProxyType({}))
 
-    @property
+    # Read several times per request: worked out once per view (a view never changes).
+    @cached_property
     def combined(self) -> bool:
         """True when decode work goes to prefill_decode instances (no separate prefill)."""
         return any(i.role == PREFILL_DECODE for i in self.instances)
 
-    @property
+    @cached_property
     def decode_role(self) -> str:
         """The role that answers clients."""
         return PREFILL_DECODE if self.combined else DECODE
@@ -69,20 +72,67 @@ def _rank(source: str) -> tuple[int, str]:
     return (PRECEDENCE.index(source) if source in PRECEDENCE else len(PRECEDENCE), source)
 
 
+@dataclass(frozen=True)
+class Misfit:
+    """Why an instance cannot join the fleet; ``role`` when it is its role that conflicts."""
+
+    message: str
+    role: bool = False
+
+
+class Fit:
+    """The rules a roster file is checked against as a whole (docs/behaviour.md#roster),
+    applied to an instance that arrives on its own (from a store, DNS, the admin API): what
+    the roster's connector needs, no mixing of combined and split serving, and encoder pushes
+    addressed either to every consumer of a role or to none."""
+
+    def __init__(self, settings: Settings, instances: Iterable[Instance] = ()) -> None:
+        self.settings = settings
+        self.roles: set[str] = set()  # a set: a fleet of thousands is checked in one pass
+        self.pushing: dict[str, bool] = {}
+        for inst in instances:
+            self.add(inst)
+
+    def add(self, inst: Instance) -> None:
+        self.roles.add(inst.role)
+        if inst.role in EC_CONSUMERS:
+            self.pushing.setdefault(inst.role, inst.ec_zmq_addrs is not None)
+
+    def misfit(self, inst: Instance) -> Misfit | None:
+        problem = connector_problem(self.settings, inst)
+        if problem is not None:
+            return Misfit(problem)
+        if mixes_roles(inst.role, self.roles):
+            serving = "split prefill/decode" if inst.role == PREFILL_DECODE \
+                else "combined prefill_decode"
+            return Misfit(f"instance {inst.url} ({inst.role}) would mix combined and split "
+                          f"serving: the fleet serves {serving} instances, and the two are "
+                          "never mixed", role=True)
+        pushes = inst.ec_zmq_addrs is not None
+        if pushes and inst.role not in EC_CONSUMERS:
+            return Misfit(f"instance {inst.url} ({inst.role}): ec_zmq_addrs belong on "
+                          "prefill or prefill_decode instances")
+        if self.pushing.get(inst.role, pushes) != pushes:
+            return Misfit(f"instance {inst.url} ({inst.role}): the fleet's {inst.role} "
+                          f"instances {'do not take' if pushes else 'take'} encoder pushes "
+                          "(ec_zmq_addrs); every one of a role must, or none")
+        return None
+
+
 def merge(settings: Settings, offers: Mapping[str, Sequence[Instance]]
           ) -> tuple[tuple[Instance, ...], dict[str, str], list[str]]:
     """The instances of every source as one fleet, which source each came from, and what was
     left out and why.
 
     One URL from two sources is one instance: the higher source's record wins (the file's
-    over all). An instance from a source other than the file that the roster's connector
-    cannot use, or whose role would mix combined and split serving, is left out: the file's
-    instances were validated with the roster, the others arrive one by one.
+    over all). An instance from a source other than the file that does not fit the fleet
+    (``Fit``) is left out: the file's instances were validated with the roster, the others
+    arrive one by one.
     """
     chosen: dict[str, Instance] = {}
     sources: dict[str, str] = {}
     problems: list[str] = []
-    roles: set[str] = set()  # of the chosen: a set, so a fleet of thousands merges in one pass
+    fit = Fit(settings)
     for source in sorted(offers, key=_rank):
         for inst in offers[source]:
             held = sources.get(inst.url)
@@ -92,16 +142,13 @@ def merge(settings: Settings, offers: Mapping[str, Sequence[Instance]]
                                     f"{held} has; the {held} record is served")
                 continue
             if source != FILE:
-                problem = connector_problem(settings, inst)
-                if problem is None and mixes_roles(inst.role, roles):
-                    problem = (f"instance {inst.url} ({inst.role}) would mix combined and split "
-                               "serving in one fleet")
-                if problem is not None:
-                    problems.append(f"{problem}; left out (from {source})")
+                misfit = fit.misfit(inst)
+                if misfit is not None:
+                    problems.append(f"{misfit.message}; left out (from {source})")
                     continue
             chosen[inst.url] = inst
             sources[inst.url] = source
-            roles.add(inst.role)
+            fit.add(inst)
     return tuple(chosen.values()), sources, problems
 
 
@@ -165,7 +212,10 @@ class LiveFleet:
                         sorted(after - before) or "none", sorted(before - after) or "none")
         if announce:
             for listener in self._listeners:
-                listener(old, new)
+                try:
+                    listener(old, new)
+                except Exception:  # one failing reader must not keep the others uninformed
+                    logger.exception("fleet listener %r failed", listener)
 
 
 def added(old: FleetView, new: FleetView) -> list[str]:

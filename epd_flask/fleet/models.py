@@ -63,6 +63,11 @@ class Catalog:
 
     def __init__(self, live: LiveFleet) -> None:
         self.live = live
+        #: The last listing, its JSON and what it was built from (the registry's version and
+        #: the decode role): rebuilt only when either changed.
+        self._listed: tuple[int, str] | None = None
+        self._listing: dict[str, Any] | None = None
+        self._listing_json: bytes | None = None
 
     @property
     def registry(self) -> Registry:
@@ -70,13 +75,6 @@ class Catalog:
 
     def decode_role(self) -> str:
         return self.live.view.decode_role
-
-    #: The last listing, its JSON and what it was built from (``_listed``): rebuilt only when
-    #: the registry's version or the decode role changed. Class-level defaults, so the cache
-    #: needs nothing from the constructor.
-    _listed: tuple[Registry, int, str] | None = None
-    _listing: dict[str, Any] | None = None
-    _listing_json: bytes | None = None
 
     def listing(self) -> dict[str, Any] | None:
         """``/v1/models``: each model served by a live decode-side instance once, adapters with
@@ -86,10 +84,8 @@ class Catalog:
         membership bumps its version): the union of thousands of cards costs milliseconds per
         call, and a client polling ``/v1/models`` would pay them on every worker. The value
         is shared: callers must not change it."""
-        registry = self.registry
-        listed = (registry, registry.version, self.decode_role())
-        cached = self._listed
-        if cached is None or cached[0] is not registry or cached[1:] != listed[1:]:
+        listed = (self.registry.version, self.decode_role())
+        if listed != self._listed:
             self._listing = self._union()
             self._listing_json = None
             self._listed = listed
@@ -105,8 +101,9 @@ class Catalog:
     def _union(self) -> dict[str, Any] | None:
         known = False
         out: dict[str, Card] = {}
+        role = self.decode_role()
         for state in self.registry.states():
-            if state.instance.role != self.decode_role() or not state.live:
+            if state.instance.role != role or not state.live:
                 continue
             if state.served() is None:
                 continue
@@ -161,8 +158,9 @@ class Catalog:
         of them knows its models. vLLM serves its base model when ``model`` is absent, so an
         adapter never makes a one-model fleet ambiguous."""
         bases: set[str] | None = None
+        role = self.decode_role()
         for state in self.registry.states():
-            if state.instance.role != self.decode_role() or not state.live:
+            if state.instance.role != role or not state.live:
                 continue
             names = state.served()
             if names is None:

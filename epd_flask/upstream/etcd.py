@@ -35,6 +35,8 @@ TIMEOUT = 2.0
 #: Keys read per page of a range: a large fleet is read in pages at one revision.
 PAGE = 500
 API = "/v3"
+#: The longest line a watch may send (one revision's events): more is not an answer we read.
+MAX_WATCH_LINE = 16 * 1024 * 1024
 
 
 class EtcdError(Exception):
@@ -113,10 +115,17 @@ class Watch:
                         events = self._parse(line)
                         if events:
                             yield events
+                if len(buffer) > MAX_WATCH_LINE:
+                    raise EtcdError(f"watch sent a line longer than {MAX_WATCH_LINE} bytes")
         except (HTTPError, OSError) as exc:
             if not self.closed:
                 self.close()
                 raise EtcdError(f"watch stream broke: {exc}") from None
+        except BaseException:
+            # A refusal in the stream (compacted, canceled, garbage) or the consumer leaving:
+            # the connection, and etcd's watcher behind it, go now, not when collected.
+            self.close()
+            raise
         finally:
             self._reading = False
             if self.closed:  # closed from elsewhere while this read: release it here

@@ -18,14 +18,11 @@ from typing import Any
 
 from flask import Blueprint, Response, request
 
-from epd_flask.control.roles import PREFILL_DECODE
 from epd_flask.control.roster import (
     Instance,
     RoleConflict,
     RosterError,
     RosterTooLarge,
-    connector_problem,
-    mixes_roles,
     normalize_url,
     parse_instance,
 )
@@ -39,7 +36,7 @@ from epd_flask.core.errors import (
     ProxyError,
     Unprocessable,
 )
-from epd_flask.fleet.live import FILE, FleetView
+from epd_flask.fleet.live import FILE, Fit, FleetView
 from epd_flask.fleet.rostersync import RosterSync
 from epd_flask.fleet.sources.etcdsource import EtcdSource
 from epd_flask.upstream.etcd import EtcdError
@@ -131,14 +128,11 @@ def _check_policy(inst: Instance, policy: URLPolicy) -> None:
 def _check_fits(inst: Instance, view: FleetView) -> None:
     """What the roster check says of a file registration, said of a store's: a record the
     live fleet would leave out is refused, not written (docs/behaviour.md#discovery)."""
-    problem = connector_problem(view.settings, inst)
-    if problem is not None:
-        raise Unprocessable(problem)
-    if mixes_roles(inst.role, (i.role for i in view.instances if i.url != inst.url)):
-        serving = "split prefill/decode" if inst.role == PREFILL_DECODE \
-            else "combined prefill_decode"
-        raise Conflict(f"cannot register {inst.url} as {inst.role}: the fleet serves "
-                       f"{serving} instances, and the two are never mixed", code="role_conflict")
+    misfit = Fit(view.settings, (i for i in view.instances if i.url != inst.url)).misfit(inst)
+    if misfit is not None and misfit.role:
+        raise Conflict(misfit.message, code="role_conflict")
+    if misfit is not None:
+        raise Unprocessable(misfit.message)
 
 
 def _store(svc: Services) -> EtcdSource | None:

@@ -71,3 +71,22 @@ def test_subscribers_hear_each_swap_and_a_source_emptied_takes_its_instances_awa
     with pytest.raises(ValueError, match="adopt"):
         live.offer("file", [inst(1)])
 
+
+
+def test_a_consumer_that_takes_no_encoder_pushes_does_not_join_a_fleet_whose_do(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """E+P+D with pushes to the prefills: a discovered prefill without ec_zmq_addrs would get
+    requests whose embeddings were pushed nowhere it can read; it is left out, as the roster
+    check refuses such a file."""
+    pushing = inst(1, "prefill", ec_zmq_addrs=["tcp://127.0.0.1:17000"])
+    live = LiveFleet(file_roster(pushing, inst(2)))
+    caplog.set_level(logging.WARNING, "epd_flask.fleet.live")
+    live.offer("dns", [inst(3, "prefill"),
+                       inst(4, "prefill", ec_zmq_addrs=["tcp://127.0.0.1:17001"]),
+                       inst(5, "decode", ec_zmq_addrs=["tcp://127.0.0.1:17002"])])
+    assert [i.url for i in live.view.instances] == [
+        "http://127.0.0.1:1", "http://127.0.0.1:2", "http://127.0.0.1:4"]
+    said = " | ".join(r.getMessage() for r in caplog.records)
+    assert "http://127.0.0.1:3 (prefill): the fleet's prefill instances take encoder pushes" \
+        in said
+    assert "http://127.0.0.1:5 (decode): ec_zmq_addrs belong on" in said

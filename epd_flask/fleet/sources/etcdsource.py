@@ -129,7 +129,10 @@ class EtcdSource:
         while True:
             self._changed.wait()
             self._changed.clear()
-            self._offer(f"etcd revision {self.revision}")
+            try:
+                self._offer(f"etcd revision {self.revision}")
+            except Exception:  # the loop must outlive any failure: the next change offers
+                logger.exception("offering etcd's membership failed unexpectedly")
 
     def _pinger(self) -> None:
         while True:
