@@ -108,7 +108,6 @@ class HeadDeadline:
         self._first = first
         self._connections = connections
         self._exc = _HeadTimeout()
-        self._evicted = _Evicted()
         self._greenlet: Any = None
         self._timer: Any = None
         self._watch: Any = None
@@ -133,7 +132,7 @@ class HeadDeadline:
 
     def _evict_now(self) -> None:
         if self._watch is not None:
-            self._greenlet.throw(self._evicted)
+            self._greenlet.throw(_Evicted())
 
     def _arm(self, seconds: float) -> None:
         if self._timer is not None:
@@ -163,7 +162,7 @@ class HeadDeadline:
             logger.info("a client took more than %g s to send a request's head; its "
                         "connection was closed", self._head)
             return True
-        if value is self._evicted:
+        if isinstance(value, _Evicted):
             logger.debug("closed an idle kept-alive connection: the worker is at its "
                          "connection limit")
             return True
@@ -284,7 +283,7 @@ class ExpectingApp:
         return getattr(self.app, name)
 
     def __call__(self, environ: dict[str, Any], start_response: Any) -> Any:
-        pending = self._expecting.pop(gevent.getcurrent(), None)
+        pending = self._expecting.pop(gevent.getcurrent(), None) if self._expecting else None
         if pending is None:
             return self.app(environ, start_response)
         req, sock = pending
@@ -300,19 +299,12 @@ class ExpectingApp:
 
 def take_expectation(req: Any) -> bool:
     """Take ``Expect: 100-continue`` off a parsed request before gunicorn answers it; True if
-    it was there. gunicorn 23 and later mark it on the request (``_expected_100_continue``,
-    the one private attribute this relies on); older ones act on the header itself, so it is
-    dropped from the headers too (nothing upstream sees it: it is not on the forwarding
-    allowlist)."""
-    expected = bool(getattr(req, "_expected_100_continue", False))
-    if expected:
-        req._expected_100_continue = False
-    kept = [(k, v) for k, v in req.headers
-            if not (k == "EXPECT" and v.lower() == "100-continue")]
-    if len(kept) != len(req.headers):
-        expected = expected or req.version >= (1, 1)
-        req.headers = kept
-    return expected
+    it was there (gunicorn marks it on the request: ``_expected_100_continue``, the one
+    private attribute this relies on)."""
+    if not req._expected_100_continue:
+        return False
+    req._expected_100_continue = False
+    return True
 
 
 def lean_client_socket(sock: Any) -> None:
@@ -366,12 +358,14 @@ class GeventWorker(_StockGeventWorker):
             self._connections.pop(gevent.getcurrent(), None)
 
     def handle_request(self, listener_name: Any, req: Any, sock: Any, addr: Any) -> Any:
-        if take_expectation(req):
-            self._expecting[gevent.getcurrent()] = (req, sock)
+        if not take_expectation(req):
+            return super().handle_request(listener_name, req, sock, addr)
+        current = gevent.getcurrent()
+        self._expecting[current] = (req, sock)
         try:
             return super().handle_request(listener_name, req, sock, addr)
         finally:
-            self._expecting.pop(gevent.getcurrent(), None)
+            self._expecting.pop(current, None)
 
     def load_wsgi(self) -> None:
         super().load_wsgi()

@@ -114,10 +114,22 @@ def test_a_urllib3_pool_hands_out_and_takes_back_connections_as_pools_py_expects
 
 
 def test_gunicorn_calls_the_worker_hooks_the_header_deadline_overrides() -> None:
-    """``web.worker.GeventWorker`` overrides gunicorn's ``handle(listener, client, addr)`` and
+    """``web.worker.GeventWorker`` overrides gunicorn's ``handle(listener, client, addr)``,
+    ``handle_request(...)`` (a request's ``Expect: 100-continue``), ``load_wsgi()`` and
     ``timeout_ctx()`` (the context gunicorn reads each request's head in); the end-to-end
-    proof that gunicorn still calls them is tests/e2e/test_slow_clients.py."""
-    for name in ("handle", "timeout_ctx"):
+    proofs that gunicorn still calls them are tests/e2e/test_slow_clients.py,
+    test_expect_continue.py and test_idle_connections.py."""
+    for name in ("handle", "handle_request", "load_wsgi", "timeout_ctx"):
         assert list(inspect.signature(getattr(GeventWorker, name)).parameters) == \
             list(inspect.signature(getattr(StockGeventWorker, name)).parameters), name
     assert GeventWorker.__mro__[1] is StockGeventWorker  # adopt() swaps a forked stock worker
+
+
+def test_a_gunicorn_request_marks_an_expected_100_continue_and_can_be_closed() -> None:
+    """``web.worker.take_expectation`` reads and clears ``_expected_100_continue`` on
+    gunicorn's parsed request (gunicorn then sends no ``100 Continue`` itself), and a reply
+    given without reading the body calls ``force_close()`` on it."""
+    from gunicorn.http.message import Request
+
+    assert Request._expected_100_continue is False
+    assert callable(Request.force_close)
