@@ -137,6 +137,11 @@ class RequestContext:
     _logged: bool = False
 
     @property
+    def finished(self) -> bool:
+        """Whether ``finish`` ran: the request's line is written."""
+        return self._logged
+
+    @property
     def attempt_id(self) -> str:
         """The upstream id of the current attempt: a retry never meets state an earlier
         attempt left on an instance (KV kept for a decode that never pulled it)."""

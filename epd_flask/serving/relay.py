@@ -108,7 +108,8 @@ class Relayed:
             # All no-ops when the generator already ran its own cleanup.
             self._resp.close()
             end_side_leg(self._side, False)
-            self._ctx.finish(error=ClientDisconnected(CLIENT_LEFT))
+            if not self._ctx.finished:  # the generator ended it itself, unless the client left
+                self._ctx.finish(error=ClientDisconnected(CLIENT_LEFT))
 
 
 def sse(transport: Transport, resp: Upstream, ctx: RequestContext,

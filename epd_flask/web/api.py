@@ -144,6 +144,11 @@ def _accounted(ctx: RequestContext) -> Iterator[None]:
     except HTTPException as exc:  # werkzeug's own refusals (413 ...) are requests too
         ctx.finish(status=exc.code, error=exc.description or exc.name)
         raise
+    except BaseException as exc:
+        # A bug, or the worker stopping: still one log line, and what the request held
+        # (admission's places, its legs) is given back.
+        ctx.finish(status=500, error=f"internal error: {type(exc).__name__}")
+        raise
 
 
 @bp.post("/v1/chat/completions")
