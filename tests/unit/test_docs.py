@@ -22,8 +22,8 @@ SPEC = ROOT / "docs" / "behaviour.md"
 BENCHMARKS = ROOT / "docs" / "benchmarks.md"
 #: Captured wire traffic, not prose: whatever bytes vLLM sent.
 DATA_DIRS = ("tests/sim/fixtures",)
-#: The outside catalogue's codes exactly (roster R1-R6, multimodal M1-M7, prefill/decode
-#: P1-P5, edge and transport T1-T9), as whole words: "P2P", "TTL" or "T0" do not match.
+#: The letter-and-digit rule codes of a behaviour catalogue kept outside the repository, as
+#: whole words: "P2P", "TTL" or "T0" do not match.
 LABEL = re.compile(r"(?<![\w$])(?:R[1-6]|M[1-7]|P[1-5]|T[1-9])(?!\w)")
 #: What a reader of the repository cannot follow, by kind, each with what to write instead.
 #: An upstream project's issue (``gevent#1957``) is a public citation and stays allowed.
@@ -144,7 +144,7 @@ PLANTED_PY = '''"""Planted: each kind the scanner refuses, and bait it must let 
 # The fix for issue 15 went in here.
 DEBT = "see #42 and PR 7, as the issue's author wanted"
 # Measured after-phase-2; before-session-3 it was slower (round 2).
-NOTES = "/work/wt/h-docs/x.py and ../shared/reference/proxy.py"
+NOTES = "/work/other/x.py and ../shared/notes.py"
 # The seed proxy retries (P4) here.
 P1 = "http://p1:8100"  # a variable of that name is code, not a citation
 COLOR = "color:#111"  # CSS, not an issue; gevent#1957 is an upstream project's issue
@@ -154,7 +154,7 @@ STATE = "/tmp/epd-flask-state"  # a default the product itself documents
 PLANTED_MD = """# Planted
 
 Per the issue's targets (issue #9), measured in the second round of work.
-The Rust seed proxy's probe path, reference proxies' rule T3.
+A seed proxy's probe path, reference proxies' rule T3.
 Copied from /home/someone/notes and the worktree at /root/x.
 The prober's first round runs at once; urllib3#3289 explains the queue.
 """

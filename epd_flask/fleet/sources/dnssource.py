@@ -53,10 +53,7 @@ def _query(resolver: dns.resolver.Resolver, name: str, kind: str) -> Any:
         answer = resolver.resolve(name, kind, raise_on_no_answer=False, search=False)
     except dns.resolver.NXDOMAIN:
         return (), None
-    except (dns.exception.Timeout, dns.resolver.NoNameservers, dns.resolver.YXDOMAIN,
-            OSError) as exc:
-        raise Unreachable(f"{name} {kind}: {exc}") from None
-    except dns.exception.DNSException as exc:
+    except (dns.exception.DNSException, OSError) as exc:  # timeouts, no nameserver, ...
         raise Unreachable(f"{name} {kind}: {exc}") from None
     return (answer.rrset or ()), answer.response
 
@@ -90,6 +87,8 @@ class DnsSource:
         self.state = SourceState(NAME)
         self._found: dict[int, list[Instance]] = {}
         self._failing: dict[int, str] = {}
+        #: Per name, the records it answered that were refused (each logged once).
+        self._refused: dict[int, set[str]] = {}
         self._greenlets: list[gevent.Greenlet] = []
 
     def start(self) -> None:
@@ -113,6 +112,7 @@ class DnsSource:
     def refresh(self, n: int, entry: DnsName, found: list[tuple[str, int]]) -> None:
         """The name answered ``found``: its instances from now on."""
         instances = []
+        refused: set[str] = set()
         for host, port in found:
             url_host = f"[{host}]" if ":" in host else host
             record = {**render(entry.instance, host), "role": entry.role,
@@ -121,7 +121,10 @@ class DnsSource:
                 instances.append(member(record, f"DNS {entry.name} ({host})",
                                         self.context.policy()))
             except RosterError as exc:
-                logger.error("%s; skipped", exc)
+                refused.add(str(exc))
+        for problem in sorted(refused - self._refused.get(n, set())):
+            logger.error("%s; skipped", problem)  # once, not at every lookup
+        self._refused[n] = refused
         if self._failing.pop(n, None) is not None:
             logger.info("DNS %s answers again", entry.name)
         changed = self._found.get(n) != instances
