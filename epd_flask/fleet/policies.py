@@ -247,13 +247,13 @@ def bounded_rendezvous(key: bytes, candidates: Sequence[Placement],
     whose load is under the bound."""
     order = rendezvous_order(key, candidates) if shared is None or spread >= 1.0 \
         else tiered_order(shared, key, candidates, spread)
-    bound = load_bound([load(c.instance) for c in candidates], factor)
+    loads = {c.key: load(c.instance) for c in candidates}
+    bound = load_bound(list(loads.values()), factor)
     for rank, placed in enumerate(order):
-        if load(placed.instance) < bound:
+        if loads[placed.key] < bound:
             if rank == 0:
                 return Decision(placed, policy, HIT, "hit")
-            return Decision(placed, policy, SPILL,
-                            f"spill{rank}:{load(order[0].instance)}>={bound}")
+            return Decision(placed, policy, SPILL, f"spill{rank}:{loads[order[0].key]}>={bound}")
     return Decision(order[0], policy, HIT, "hit")  # unreachable: the bound leaves room
 
 

@@ -61,16 +61,33 @@ def no_backend(settings: Settings, role: str, model: str | None = None,
 
 
 class LiveInstances:
-    """The default source: the registry's live instances of the role."""
+    """The default source: the registry's live instances of the role.
+
+    Every pick asks, several times per request; the answer changes only with the registry's
+    version (membership, liveness, models), so it is kept per (role, model, base) until then.
+    """
+
+    #: Distinct (role, model, base) answers kept: a fleet of many adapters stays bounded.
+    MAX_KEPT = 256
 
     def __init__(self, live: LiveFleet) -> None:
         self.live = live
+        self._version = -1
+        self._kept: dict[tuple[str, str | None, str | None], list[Placement]] = {}
 
     def candidates(self, role: str, model: str | None, base: str | None) -> list[Placement]:
-        found = self.live.registry.live(role, model, base)
-        if not found:
-            raise no_backend(self.live.settings, role, model)
-        return policies.candidates_of(found)
+        registry = self.live.registry
+        if registry.version != self._version or len(self._kept) >= self.MAX_KEPT:
+            self._kept.clear()
+            self._version = registry.version
+        key = (role, model, base)
+        found = self._kept.get(key)
+        if found is None:
+            live = registry.live(role, model, base)
+            if not live:
+                raise no_backend(self.live.settings, role, model)
+            found = self._kept[key] = policies.candidates_of(live)
+        return found
 
     def ready(self) -> Readiness:
         return True, "ok"
