@@ -84,7 +84,8 @@ def held_tokens(picture: CachePicture, tokens: Sequence[int]) -> int | None:
 
 class KVAware(Prefix):
     """The prefix choice, overruled by the candidates' cached blocks when they can be
-    compared."""
+    compared: on a prefill, where the prompt would be done first (``kv_cost_choice``); on
+    another role, the most blocks under the load bound (``kv_choice``)."""
 
     needs_tokens = True
 
@@ -116,6 +117,10 @@ class KVAware(Prefix):
         blocks = max(len(k) for k in keys.values())
         order = policies.rendezvous_order(request.prefix, candidates) \
             if request.prefix is not None else list(candidates)
+        if load.tokens:
+            sizes = {url: picture.block_size or 0 for url, picture in pictures.items()}
+            return policies.kv_cost_choice(order, matched, sizes, blocks, len(tokens),
+                                           load.measure, prefix, self.name)
         return policies.kv_choice(order, matched, blocks, load.calls,
                                   self.env.settings().routing_load_factor, prefix, self.name)
 

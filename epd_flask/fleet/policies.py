@@ -86,10 +86,12 @@ class RouteRequest:
 @dataclass(frozen=True)
 class Load:
     """How busy each instance is, as this worker sees it: ``measure`` what ``least_loaded``
-    compares, ``calls`` the open calls the affinity policies bound."""
+    compares, ``calls`` the open calls the affinity policies bound; ``tokens``: whether
+    ``measure`` counts prompt tokens (a prefill's queue), so a prompt's own tokens add to it."""
 
     measure: Callable[[Instance], int]
     calls: Callable[[Instance], int]
+    tokens: bool = False
 
 
 @dataclass(frozen=True)
@@ -291,6 +293,29 @@ def kv_choice(order: Sequence[Placement], matched: Mapping[str, int], blocks: in
     chosen = next((c for c in tied if c == fallback.target), tied[0])
     return Decision(chosen, policy, KVHIT,
                     f"blocks={best}/{blocks},load={load(chosen.instance)}")
+
+
+def kv_cost_choice(order: Sequence[Placement], matched: Mapping[str, int],
+                   sizes: Mapping[str, int], blocks: int, tokens: int,
+                   load: Callable[[Instance], int], fallback: Decision,
+                   policy: str = "kv_aware") -> Decision:
+    """``kv_aware`` on a role whose load is prompt tokens (a prefill): the candidate where the
+    prompt would be done first as far as this worker can tell, the prompt tokens queued there
+    (``load``) plus the prompt's ``tokens`` it does not hold (``matched``: by URL, how many of
+    the prompt's ``blocks`` it holds from the first, of ``sizes`` tokens each). A cached prefix
+    is worth the tokens it saves and no more: a long queue outweighs a few held blocks, which
+    a count of calls under a bound cannot see. Ties go to the prefix choice, then to the first
+    in ``order`` (the request's rendezvous order), so every worker breaks them alike."""
+
+    def cost(c: Placement) -> int:
+        return load(c.instance) + tokens - matched.get(c.url, 0) * sizes.get(c.url, 0)
+
+    best = min(cost(c) for c in order)
+    tied = [c for c in order if cost(c) == best]
+    chosen = next((c for c in tied if c == fallback.target), tied[0])
+    held = matched.get(chosen.url, 0)
+    return Decision(chosen, policy, KVHIT if held else KVMISS,
+                    f"blocks={held}/{blocks},load={load(chosen.instance)}")
 
 
 def new_cursor(seed: int | None) -> Iterator[int]:

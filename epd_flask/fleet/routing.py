@@ -153,7 +153,7 @@ class Router:
             return (state.in_flight + state.tokens_in_flight
                     + round(others * (1 + registry.mean_tokens)))
 
-        return Load(tokens, calls)
+        return Load(tokens, calls, tokens=True)
 
     def ready(self, role: str) -> Readiness:
         return self.source(role).ready()
@@ -178,7 +178,8 @@ class Router:
         policy = self.policy(role)
         base = self.load(role)
         mine: Counter[str] = Counter()
-        load = Load(lambda i: base.measure(i) + mine[i.url], lambda i: base.calls(i) + mine[i.url])
+        load = Load(lambda i: base.measure(i) + mine[i.url], lambda i: base.calls(i) + mine[i.url],
+                    base.tokens)
         picked = []
         for key in keys:
             decision = policy.choose(candidates, replace(request, prefix=key, shared=None,

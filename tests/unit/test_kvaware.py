@@ -157,6 +157,34 @@ def test_kv_choice_most_blocks_under_the_load_bound_ties_to_the_prefix_choice() 
     assert (got.target, got.why) == (c, "blocks=3/10,load=0")
 
 
+def test_on_a_prefill_the_choice_is_where_the_prompt_would_be_done_first() -> None:
+    """Queued prompt tokens plus the prompt's tokens not held: a held prefix counts for the
+    tokens it saves, so a long enough queue outweighs it (docs/behaviour.md#routing-policies)."""
+    a, b, c = (Placement(Instance(role="prefill", url=f"http://10.0.0.{i}:1"))
+               for i in (1, 2, 3))
+    prefix = Decision(a, "kv_aware", policies.HIT, "hit")
+    queued = {a.url: 0, b.url: 0, c.url: 0}
+    sizes = dict.fromkeys(queued, 16)
+
+    def choose(matched: dict[str, int]) -> Decision:
+        # A prompt of 10 blocks of 16 tokens and 4 more.
+        return policies.kv_cost_choice([a, b, c], matched, sizes, 10, 164,
+                                       lambda i: queued[i.url], prefix)
+
+    got = choose({b.url: 7, c.url: 3})
+    assert (got.target, got.outcome, got.why) == (b, "kvhit", "blocks=7/10,load=0")
+    queued[b.url] = 100  # b saves 112 tokens but has 100 queued: c (saves 48) is done sooner
+    got = choose({b.url: 7, c.url: 3})
+    assert (got.target, got.why) == (c, "blocks=3/10,load=0")
+    queued[b.url] = 60  # now b is done first again: 60 + 52 < 0 + 116
+    assert choose({b.url: 7, c.url: 3}).target == b
+    queued.update(dict.fromkeys(queued, 0))
+    got = choose({})
+    assert (got.target, got.outcome) == (a, "kvmiss")  # nothing held, all idle: prefix choice
+    queued[a.url] = 1
+    assert choose({}).target == b  # then the first in rendezvous order of the least queued
+
+
 def test_kv_aware_routes_to_the_instance_holding_the_prompt_and_logs_why(
         publishers: list[Publisher], heard: Heard) -> None:
     registry, kv, router = fleet(publishers, 3)
