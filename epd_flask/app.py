@@ -20,6 +20,7 @@ from epd_flask.control.statedir import StateDir
 from epd_flask.control.urlpolicy import URLPolicy
 from epd_flask.core import errors
 from epd_flask.core.errors import ClientError, ProxyError
+from epd_flask.core.events import Events
 from epd_flask.core.headers import REQUEST_ID_HEADER
 from epd_flask.fleet.bootstrap import BootstrapDiscovery
 from epd_flask.fleet.kvaware import Tokenizer
@@ -60,8 +61,11 @@ def build_services(config: ProxyConfig, roster: Roster, generation: int = 0, *,
     (round-robin from the first instance, seeded draws): for a lone app in tests; None, as
     under gunicorn, starts each worker somewhere random."""
     settings = roster.settings
+    events = Events()
+    metrics.install(events, config.state_dir)  # before anything below fires
     live = LiveFleet(roster, generation,
-                     Registry(roster.instances, settings.fail_threshold, settings.evicted_ttl))
+                     Registry(roster.instances, settings.fail_threshold, settings.evicted_ttl,
+                              events=events))
     transport = Transport(
         settings.connect_timeout, config.pool_maxsize,
         idle_timeout=config.upstream_idle_timeout, keepalive=config.upstream_keepalive,
@@ -71,7 +75,7 @@ def build_services(config: ProxyConfig, roster: Roster, generation: int = 0, *,
     )
     backend_auth = {"Authorization": f"Bearer {config.backend_api_key}"} \
         if config.backend_api_key else None
-    kv_events = KVEvents(live.registry)
+    kv_events = KVEvents(live.registry, events=events)
     connector = connector_class(settings.connector)()
     discovery = BootstrapDiscovery(live, transport) if connector.bootstrap else None
     # Admission (docs/behaviour.md#admission): every role a request may wait for routes
@@ -88,22 +92,23 @@ def build_services(config: ProxyConfig, roster: Roster, generation: int = 0, *,
                         max_event_bytes=config.max_event_bytes)
     admission = AdmissionGate(live, pipeline.catalog, capacity, Limiter(config.state_dir),
                               connector.recomputes)
-    prober = Prober(live, transport, models_headers=backend_auth)
+    prober = Prober(live, transport, models_headers=backend_auth, events=events)
     state = StateDir(config.state_dir) if config.state_dir else None
-    roster_sync = RosterSync(live, config.roster_path, state)
-    inflight = InFlight(config.max_in_flight)
+    roster_sync = RosterSync(live, config.roster_path, state, events=events)
+    inflight = InFlight(config.max_in_flight, events=events)
     traced = TraceSettings.from_config(config)
     svc = Services(config, live, router, transport, pipeline, prober, roster_sync,
-                   inflight, Drain(inflight, config.drain_idle_grace), discovery,
+                   inflight, Drain(inflight, config.drain_idle_grace, events=events),
+                   discovery, events=events,
                    keys=KeyRing(config.api_keys, config.key_tenants),
                    url_policy=URLPolicy.build(config.instance_schemes,
                                               config.instance_networks),
                    history=metrics.History(), kv_events=kv_events,
-                   tracing=Tracing(traced) if traced is not None else None,
+                   tracing=Tracing(traced, events) if traced is not None else None,
                    admission=admission)
     # The policy is read at each record: the server's own addresses join it after the build.
     svc.sources = build_sources(roster.sources,
-                                SourceContext(live, lambda: svc.url_policy, state))
+                                SourceContext(live, lambda: svc.url_policy, state, events))
     return svc
 
 
@@ -120,7 +125,6 @@ def create_app(config: ProxyConfig | None = None, roster: Roster | None = None, 
     app = Flask("epd_flask")
     app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
     context.configure(config.log_format, config.log_upstream)
-    metrics.install(config.state_dir)
     svc = app.extensions[EXTENSION] = build_services(config, roster, generation, seed=seed)
     app.wsgi_app = InFlightMiddleware(  # type: ignore[method-assign]
         BodyDeadline(FastPath(app, app.wsgi_app), config.body_timeout), svc.inflight)

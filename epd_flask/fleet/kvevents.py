@@ -30,7 +30,8 @@ import zmq
 import zmq.green as zmq_green
 from zmq.utils.monitor import recv_monitor_message
 
-from epd_flask.core import cooperate, events
+from epd_flask.core import cooperate
+from epd_flask.core.events import Events
 from epd_flask.core.periodic import Periodic
 from epd_flask.fleet.kvcache import (
     MAX_BLOCKS,
@@ -128,8 +129,9 @@ class Reader:
     picture it keeps."""
 
     def __init__(self, url: str, endpoint: str, context: zmq_green.Context,
-                 max_blocks: int = MAX_BLOCKS) -> None:
+                 max_blocks: int = MAX_BLOCKS, events: Events | None = None) -> None:
         self.url = url
+        self.events = events if events is not None else Events()
         self.endpoint = endpoint
         self.picture = CachePicture(max_blocks)
         self.connected = False
@@ -266,7 +268,7 @@ class Reader:
                                "it is", self.url, self.endpoint, MAX_MESSAGE_BYTES)
 
     def _malformed(self, why: object) -> None:
-        events.kv_events.fire(self.url, "malformed", 1)
+        self.events.kv_events.fire(self.url, "malformed", 1)
         if not self._warned_garbage:
             self._warned_garbage = True
             logger.warning("KV events of %s: %s sent a message that is not vLLM's KV-event "
@@ -274,7 +276,7 @@ class Reader:
                            self.endpoint, why)
 
     def _dropped(self, count: int, why: str) -> None:
-        events.kv_events.fire(self.url, "dropped", count)
+        self.events.kv_events.fire(self.url, "dropped", count)
         if not self.stale:
             logger.warning("KV events of %s: %s; dropped %d message(s), and kv_aware routes by "
                            "prefix for this instance until its reader has kept up for %.0f s",
@@ -318,11 +320,11 @@ class Reader:
         finally:
             for kind, n in counts.items():
                 if n:
-                    events.kv_events.fire(self.url, kind, n)
+                    self.events.kv_events.fire(self.url, kind, n)
 
     def _sequence(self, seq: int) -> None:
         if self._last_seq is not None and seq != self._last_seq + 1:
-            events.kv_events.fire(self.url, "gap", 1)
+            self.events.kv_events.fire(self.url, "gap", 1)
             if seq <= self._last_seq:
                 # The publisher started again (a restarted engine counts from 0): its
                 # cache is new, and its hashes are seeded anew.
@@ -403,8 +405,9 @@ class KVEvents:
 
     def __init__(self, registry: Registry,
                  context: Callable[[], zmq_green.Context] = reader_context,
-                 max_blocks: int = MAX_BLOCKS) -> None:
+                 max_blocks: int = MAX_BLOCKS, events: Events | None = None) -> None:
         self.registry = registry
+        self.events = events if events is not None else Events()
         self.max_blocks = max_blocks
         self._context = context
         self.readers: dict[str, Reader] = {}
@@ -431,7 +434,7 @@ class KVEvents:
         for url, endpoint in wanted.items():
             if url not in self.readers and endpoint:
                 reader = self.readers[url] = Reader(url, endpoint, self._context(),
-                                                    self.max_blocks)
+                                                    self.max_blocks, self.events)
                 reader.start()
 
     def picture(self, url: str) -> CachePicture | None:

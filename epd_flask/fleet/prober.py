@@ -14,8 +14,9 @@ import time
 
 import gevent.pool
 
-from epd_flask.core import events, jsoncodec
+from epd_flask.core import jsoncodec
 from epd_flask.core.errors import ProxyError
+from epd_flask.core.events import Events
 from epd_flask.core.periodic import Periodic
 from epd_flask.fleet import enginemetrics
 from epd_flask.fleet.live import FleetView, LiveFleet, added
@@ -32,8 +33,10 @@ ENGINE_SLACK = 0.9
 
 class Prober:
     def __init__(self, live: LiveFleet, transport: Transport,
-                 models_headers: dict[str, str] | None = None) -> None:
+                 models_headers: dict[str, str] | None = None,
+                 events: Events | None = None) -> None:
         self.live = live
+        self.events = events if events is not None else Events()
         self.registry = live.registry
         # /health needs no credentials; /v1/models does on an instance started with --api-key.
         self.models_headers = models_headers or {}
@@ -88,7 +91,7 @@ class Prober:
             return ok  # removed (or removed and listed anew) meanwhile: this result is stale
         state.last_probe_at = time.time()
         state.last_probe_ok = ok
-        events.probe.fire(state.instance.role, url, ok, time.monotonic() - started)
+        self.events.probe.fire(state.instance.role, url, ok, time.monotonic() - started)
         if ok:
             self.registry.record_success(url, time.monotonic() - started)
             if self.models_due(state):

@@ -16,7 +16,7 @@ from typing import Any
 
 from epd_flask.control import settings
 from epd_flask.control.roster import Instance
-from epd_flask.core import events
+from epd_flask.core.events import Events, FleetEntry
 from epd_flask.fleet.enginemetrics import EngineLoad
 
 logger = logging.getLogger(__name__)
@@ -103,7 +103,9 @@ class Registry:
         self, instances: Iterable[Instance],
         fail_threshold: int = settings.default("fail_threshold"),
         evicted_ttl: float = settings.default("evicted_ttl"),
+        events: Events | None = None,
     ) -> None:
+        self.events = events if events is not None else Events()
         self.fail_threshold = fail_threshold
         self.evicted_ttl = evicted_ttl
         self._states: dict[str, InstanceState] = {}
@@ -242,7 +244,7 @@ class Registry:
         if latency is not None:
             state.last_latency = latency
         if rejoined:
-            events.rejoined.fire(state.instance.role, url)
+            self.events.rejoined.fire(state.instance.role, url)
             self._announce()
 
     def record_failure(self, url: str, reason: str) -> None:
@@ -260,7 +262,7 @@ class Registry:
                 "instance %s (%s) evicted after %d consecutive failures: %s",
                 url, state.instance.role, state.failures, reason,
             )
-            events.evicted.fire(state.instance.role, url)
+            self.events.evicted.fire(state.instance.role, url)
             self._announce()
 
     def _changed(self, state: InstanceState) -> None:
@@ -285,9 +287,10 @@ class Registry:
         return gone
 
     def _announce(self) -> None:
-        events.fleet.fire([events.FleetEntry(s.instance.role, url, s.live)
-                                  for url, s in self._states.items()])
-        events.models.fire(sorted({m for s in self._states.values() for m in s.served() or ()}))
+        self.events.fleet.fire([FleetEntry(s.instance.role, url, s.live)
+                                for url, s in self._states.items()])
+        self.events.models.fire(
+            sorted({m for s in self._states.values() for m in s.served() or ()}))
 
     def export(self) -> dict[str, dict[str, Any]]:
         """Health by URL as plain JSON-able data, with wall-clock times another process can

@@ -22,7 +22,7 @@ from epd_flask.control import rosterfile
 from epd_flask.control.roster import Instance, Roster
 from epd_flask.control.rosterfile import Change
 from epd_flask.control.statedir import StateDir
-from epd_flask.core import events
+from epd_flask.core.events import Events
 from epd_flask.core.periodic import Periodic
 from epd_flask.fleet.live import LiveFleet
 
@@ -47,8 +47,10 @@ def snapshot_name() -> str:
 
 
 class RosterSync:
-    def __init__(self, live: LiveFleet, roster_path: str, state: StateDir | None) -> None:
+    def __init__(self, live: LiveFleet, roster_path: str, state: StateDir | None,
+                 events: Events | None = None) -> None:
         self.live = live
+        self.events = events if events is not None else Events()
         self.registry = live.registry
         self.roster_path = roster_path
         self.state = state
@@ -134,7 +136,7 @@ class RosterSync:
                 self.state.record_reload(ADMIN, "ok" if ok else "rejected")
             except OSError as exc:
                 logger.error("cannot count the roster change in %s: %s", self.state.path, exc)
-        events.reload.fire(ADMIN, ok)
+        self.events.reload.fire(ADMIN, ok)
 
     def _publish(self, roster: Roster, origin: str) -> None:
         """Every worker must follow, not only this one: publish, then adopt here at once (the

@@ -27,8 +27,7 @@ from prometheus_client.registry import Collector
 from epd_flask.control import settings
 from epd_flask.control.metricsdir import ENV as MULTIPROC_ENV
 from epd_flask.control.statedir import StateDir
-from epd_flask.core import events
-from epd_flask.core.events import FleetEntry
+from epd_flask.core.events import Events, FleetEntry
 from epd_flask.core.periodic import Periodic
 from epd_flask.observe import mpvalues, tracing
 from epd_flask.serving.context import FIRST_BYTE, TOTAL, RequestContext
@@ -243,27 +242,10 @@ class MetricsObserver:
         if first is not None and not failed:
             self._child(MODEL_FIRST_BYTE_SECONDS, model).observe(first / 1000.0)
 
-    def listen(self) -> None:
-        """Add every listener (idempotent)."""
-        events.request_finished.add_listener(self.request_finished)
-        events.upstream_opened.add_listener(self.upstream_opened)
-        events.upstream_closed.add_listener(self.upstream_closed)
-        events.upstream_error.add_listener(self.upstream_error)
-        events.retry.add_listener(self.retry)
-        events.routed.add_listener(self.routed)
-        events.prefill_tokens.add_listener(self.prefill_tokens)
-        events.kv_events.add_listener(self.kv_events)
-        events.probe.add_listener(self.probe)
-        events.evicted.add_listener(self.evicted)
-        events.rejoined.add_listener(self.rejoined)
-        events.fleet.add_listener(self.fleet)
-        events.models.add_listener(self.models)
-        events.reload.add_listener(self.reload)
-        events.load.add_listener(self.load)
-        events.refused.add_listener(self.refused)
-        events.ended_by_shutdown.add_listener(self.ended_by_shutdown)
-        events.discovery.add_listener(self.discovery)
-        events.tracing_spans.add_listener(self.tracing_spans)
+    def listen(self, events: Events) -> None:
+        """Listen to every hook of ``events``, each with the method of its name (idempotent)."""
+        for name, hook in events.hooks().items():
+            hook.add_listener(getattr(self, name))
 
     def upstream_opened(self, role: str, url: str) -> None:
         self._child(IN_FLIGHT, role, self.instance_label(url)).inc()
@@ -394,10 +376,10 @@ if _REGISTRY is not None:
     _REGISTRY.register(RELOADS)
 
 
-def install(state_dir: str | None = None) -> None:
-    """Subscribe the metrics to the serving path's events (idempotent); ``state_dir`` is
-    where reloads are tallied."""
-    OBSERVER.listen()
+def install(events: Events, state_dir: str | None = None) -> None:
+    """Subscribe the metrics to an app's events (idempotent); ``state_dir`` is where reloads
+    are tallied."""
+    OBSERVER.listen(events)
     RELOADS.state = StateDir(state_dir) if state_dir else None
 
 

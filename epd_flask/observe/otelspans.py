@@ -9,7 +9,7 @@ names are used where one fits, ``epd.*`` for the proxy's own.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import lru_cache
 from typing import Any
 
@@ -23,7 +23,6 @@ from opentelemetry.trace.propagation import set_span_in_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from epd_flask import __version__
-from epd_flask.core import events
 from epd_flask.core.errors import ProxyError, instance_label
 from epd_flask.core.tracing import CallTrace
 from epd_flask.observe.spanqueue import SpanQueue
@@ -96,14 +95,13 @@ class _Resource(Resource):
         return super().__eq__(other)
 
 
-def _report(reason: str | None, count: int) -> None:
-    events.tracing_spans.fire(reason, count)
-
-
 class Tracer:
     """One worker's tracer provider, span queue and exporter."""
 
-    def __init__(self, settings: TraceSettings) -> None:
+    def __init__(self, settings: TraceSettings,
+                 report: Callable[[str | None, int], None]) -> None:
+        """``report`` hears what became of finished spans: (None, exported) or (reason,
+        lost)."""
         # The service's name and version, and which worker; OTEL_SERVICE_NAME and
         # OTEL_RESOURCE_ATTRIBUTES override them. The sampler is OTEL_TRACES_SAMPLER's.
         merged = Resource.create({"service.name": SERVICE_NAME, "service.version": __version__,
@@ -112,7 +110,7 @@ class Tracer:
         resource = _Resource(merged.attributes, merged.schema_url)
         self.queue = SpanQueue(OTLPSpanExporter(endpoint=settings.url),
                                max_queue=settings.max_queue, batch=settings.batch,
-                               delay=settings.delay, report=_report)
+                               delay=settings.delay, report=report)
         self.provider = TracerProvider(resource=resource, shutdown_on_exit=False)
         self.provider.add_span_processor(self.queue)
         self.tracer = self.provider.get_tracer(SCOPE, __version__)

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from epd_flask.core.events import Events
 from epd_flask.core.tracing import RequestTrace
 
 if TYPE_CHECKING:
@@ -69,8 +70,10 @@ class Tracing:
     """An app's tracer and span export; ``begin`` gives each request its trace once started
     (before that, and after ``stop``, requests are not traced)."""
 
-    def __init__(self, settings: TraceSettings) -> None:
+    def __init__(self, settings: TraceSettings, events: Events | None = None) -> None:
         self.settings = settings
+        #: The app's hooks: what became of its spans is told there.
+        self.events = events if events is not None else Events()
         self._tracer: Tracer | None = None
 
     @property
@@ -82,7 +85,7 @@ class Tracing:
             return
         from epd_flask.observe import otelspans  # the SDK, loaded only now
 
-        self._tracer = otelspans.Tracer(self.settings)
+        self._tracer = otelspans.Tracer(self.settings, self.events.tracing_spans.fire)
         self._tracer.start()
         logger.info("tracing: spans go to %s", self.settings.url)
 

@@ -21,8 +21,8 @@ from datetime import datetime, timezone
 from typing import Protocol
 
 from epd_flask.control.settings import LOG_FORMATS
-from epd_flask.core import events
 from epd_flask.core.errors import ProxyError
+from epd_flask.core.events import Events
 from epd_flask.core.headers import new_upstream_id
 from epd_flask.core.tracing import CallTrace, RequestTrace
 from epd_flask.fleet.policies import Decision
@@ -134,6 +134,9 @@ class RequestContext:
     #: When the request waited for capacity (wall-clock nanoseconds, start and end): the
     #: admission wait a trace shows.
     queue_wait: tuple[int, int] | None = None
+    #: The app's hooks, which this request fires (a context made outside an app has its own,
+    #: which nobody hears).
+    events: Events = field(default_factory=Events, repr=False)
     _logged: bool = False
 
     @property
@@ -171,7 +174,7 @@ class RequestContext:
         """One routing decision for this request (docs/behaviour.md#routing-policies): the
         log line names it, the metrics count it. Every choice of an instance reports here."""
         self.routing.append(decision.describe(role))
-        events.routed.fire(role, decision.policy, decision.outcome, decision.instance.url)
+        self.events.routed.fire(role, decision.policy, decision.outcome, decision.instance.url)
         if self.trace is not None:
             self.trace.decided(role, decision.policy, decision.outcome, decision.instance.url)
         if self.admitted is not None:
@@ -179,7 +182,7 @@ class RequestContext:
 
     def retry(self, err: ProxyError) -> None:
         self.retries += 1
-        events.retry.fire(err.stage or "unknown", err.code)
+        self.events.retry.fire(err.stage or "unknown", err.code)
         if self.trace is not None:
             self.trace.retried(err.stage or "unknown", err.code)
         if self.admitted is not None:
@@ -197,7 +200,7 @@ class RequestContext:
         self.legs.append(leg)
         if self.on_leg is not None:
             self.on_leg(url, 1)
-        events.upstream_opened.fire(role, url)
+        self.events.upstream_opened.fire(role, url)
         try:
             yield leg
         except ProxyError as err:
@@ -218,9 +221,9 @@ class RequestContext:
         self.legs.remove(leg)
         if self.on_leg is not None:
             self.on_leg(leg.url, -1)
-        events.upstream_closed.fire(leg.role, leg.url)
+        self.events.upstream_closed.fire(leg.role, leg.url)
         if error is not None:
-            events.upstream_error.fire(leg.stage, leg.url, error.code)
+            self.events.upstream_error.fire(leg.stage, leg.url, error.code)
         if leg.span is not None:
             leg.span.end(leg.status, error)
         if SETTINGS.upstream_calls:
@@ -258,7 +261,7 @@ class RequestContext:
             self.admitted.finished(self)
         if logger.isEnabledFor(logging.INFO):  # no formatting cost when nobody reads it
             logger.info("%s", self.log_line())
-        events.request_finished.fire(self)
+        self.events.request_finished.fire(self)
 
     def log_line(self) -> str:
         """The request's line: logfmt (built piece by piece, at ~1/3 the cost of a field list

@@ -24,7 +24,7 @@ from urllib.parse import quote
 from epd_flask.control.roles import DECODE, PREFILL, PREFILL_DECODE
 from epd_flask.control.roster import Instance
 from epd_flask.control.settings import default
-from epd_flask.core import events, jsoncodec
+from epd_flask.core import jsoncodec
 from epd_flask.core.errors import (
     BackendError,
     BackendStatus,
@@ -259,7 +259,7 @@ class Pipeline:
             url = route.prefill.instance.url
             code = getattr(exc, "code", "bad_prefill_answer")
             self.counters["prefill_failures"] += 1
-            events.upstream_error.fire("prefill", url, code)
+            ctx.events.upstream_error.fire("prefill", url, code)
             raise BackendError(f"prefill instance {instance_label(url)} answered an unusable "
                                f"reply: {exc}", code=code, stage="prefill",
                                instance=url) from None
@@ -306,7 +306,7 @@ class Pipeline:
             return None
         counted = usage.prefill_tokens(answer)
         if counted is not None:
-            events.prefill_tokens.fire(target.url, *counted)
+            ctx.events.prefill_tokens.fire(target.url, *counted)
             if ctx.trace is not None:
                 ctx.trace.prefill_usage(*counted)
         return answer

@@ -49,7 +49,8 @@ def _context(req: Request, svc: Services) -> RequestContext:
         # The client's bearer was our serving key, or the admin key sent to the wrong path:
         # either stays at the edge.
         headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
-    ctx = RequestContext(rid, req.path, headers, upstream_id=uid, trace=trace)
+    ctx = RequestContext(rid, req.path, headers, upstream_id=uid, trace=trace,
+                         events=svc.events)
     ctx.client_gone = client_watch(req.environ)
     session_header = svc.live.settings.session_header
     if session_header:

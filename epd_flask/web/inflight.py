@@ -27,8 +27,9 @@ from typing import Any
 import gevent
 from werkzeug.wsgi import ClosingIterator
 
-from epd_flask.core import errors, events
+from epd_flask.core import errors
 from epd_flask.core.errors import Overloaded, ProxyError
+from epd_flask.core.events import Events
 from epd_flask.core.headers import REQUEST_ID_HEADER, request_id
 from epd_flask.serving.legs import SOCKET_KEYS
 
@@ -54,10 +55,11 @@ class InFlight:
     All callers run on one gevent hub and nothing here yields, so no lock is needed.
     """
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, events: Events | None = None) -> None:
         if limit < 1:
             raise ValueError("the in-flight limit must be at least 1")
         self.limit = limit
+        self.events = events if events is not None else Events()
         self.peak = 0
         self.admitted = 0
         self.rejected = 0
@@ -69,7 +71,7 @@ class InFlight:
         # the ones left idle (see end_idle).
         self._idle_since: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
         self._ended: weakref.WeakSet[Any] = weakref.WeakSet()
-        events.load.fire(0, limit)
+        self.events.load.fire(0, limit)
 
     @property
     def count(self) -> int:
@@ -100,7 +102,7 @@ class InFlight:
 
     def _refused(self) -> Overloaded:
         self.rejected += 1
-        events.refused.fire("overloaded")
+        self.events.refused.fire("overloaded")
         return Overloaded(f"this server is at its limit of {self.limit} concurrent "
                           "requests; retry shortly")
 
@@ -136,12 +138,12 @@ class InFlight:
     def _counted(self) -> None:
         load = self.load
         self.peak = max(self.peak, load)
-        events.load.fire(load, self.limit)
+        self.events.load.fire(load, self.limit)
 
     def leave(self, token: object) -> None:
         _, connection = self._active.pop(token, (None, None))
         self._receiving.discard(token)
-        events.load.fire(self.load, self.limit)
+        self.events.load.fire(self.load, self.limit)
         if connection is not None:
             self._idle_since[connection] = time.monotonic()
 
@@ -202,7 +204,7 @@ class BodyArrival:
         """A busy worker's refusal of a body that took more than ``seconds``."""
         self.done = True
         self.inflight.rejected += 1
-        events.refused.fire("overloaded")
+        self.inflight.events.refused.fire("overloaded")
         return Overloaded(f"this server is receiving {self.inflight.limit} request bodies "
                           f"already, and this one did not arrive within {seconds:g} s; "
                           "send the body with the request, or retry shortly")

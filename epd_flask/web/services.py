@@ -14,6 +14,7 @@ from flask import Flask, current_app
 
 from epd_flask.control.config import ProxyConfig
 from epd_flask.control.urlpolicy import URLPolicy
+from epd_flask.core.events import Events
 from epd_flask.fleet.bootstrap import BootstrapDiscovery
 from epd_flask.fleet.kvevents import KVEvents
 from epd_flask.fleet.live import LiveFleet
@@ -46,6 +47,8 @@ class Services:
     inflight: InFlight
     drain: Drain
     discovery: BootstrapDiscovery | None = None
+    #: The app's hooks: everything above fires on them, its metrics listen to them.
+    events: Events = field(default_factory=Events)
     keys: KeyRing = field(default_factory=lambda: KeyRing(()))
     url_policy: URLPolicy = field(default_factory=URLPolicy)
     history: metrics.History = field(default_factory=metrics.History)

@@ -21,8 +21,8 @@ from collections.abc import Callable
 import gevent
 
 from epd_flask.control import settings
-from epd_flask.core import events
 from epd_flask.core.errors import ShuttingDown
+from epd_flask.core.events import Events
 from epd_flask.web.inflight import InFlight
 
 logger = logging.getLogger(__name__)
@@ -45,8 +45,10 @@ def end_after(graceful_timeout: float) -> float:
 
 class Drain:
     def __init__(self, inflight: InFlight,
-                 idle_grace: float = settings.default("EPD_DRAIN_IDLE_GRACE")) -> None:
+                 idle_grace: float = settings.default("EPD_DRAIN_IDLE_GRACE"),
+                 events: Events | None = None) -> None:
         self.inflight = inflight
+        self.events = events if events is not None else Events()
         self.idle_grace = idle_grace
         self._watcher: gevent.Greenlet | None = None
         self.ended = 0
@@ -87,7 +89,7 @@ class Drain:
                 "the server is shutting down and ended this request; retry it"))
         self.ended += len(running)
         if running:
-            events.ended_by_shutdown.fire(len(running))
+            self.events.ended_by_shutdown.fire(len(running))
             logger.warning("worker stopping: ended %d request(s) still running after %.1f s",
                            len(running), time.monotonic() - started)
         else:

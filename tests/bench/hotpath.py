@@ -87,7 +87,7 @@ def main() -> None:
     from epd_flask.app import create_app, services
     from epd_flask.control.config import ProxyConfig
     from epd_flask.control.roster import parse
-    from epd_flask.core import events
+    from epd_flask.core.events import FleetEntry
     from epd_flask.core.headers import REQUEST_ID_HEADER
     from epd_flask.observe import metrics
     from epd_flask.serving.context import RequestContext
@@ -112,14 +112,15 @@ def main() -> None:
                                   {"role": "decode", "url": DECODE}]}, "bench")
     app = create_app(ProxyConfig(), roster)
     svc = services(app)
-    metrics.OBSERVER.fleet([events.FleetEntry("prefill", PREFILL, True),
-                            events.FleetEntry("decode", DECODE, True)])
+    ev = svc.events
+    metrics.OBSERVER.fleet([FleetEntry("prefill", PREFILL, True),
+                            FleetEntry("decode", DECODE, True)])
     metrics.OBSERVER.models(["m"])
 
     def completion(path: str, body: dict[str, Any], ctx: RequestContext) -> Reply:
         ctx.model = "m"
         for role, url in (("prefill", PREFILL), ("decode", DECODE)):
-            events.routed.fire(role, "round_robin", "rotation", url)
+            ev.routed.fire(role, "round_robin", "rotation", url)
             ctx.instances[role] = url
             started = time.monotonic()
             with ctx.leg(role, role, url) as call:
@@ -151,13 +152,13 @@ def main() -> None:
         ctx.timings.update(prefill=1.5, decode_first_byte=2.5, first_byte=4.0, total=4.0)
         ctx.bytes_out = len(ANSWER)
         ctx.status = 200
-        events.load.fire(1, 32)
+        ev.load.fire(1, 32)
         for role, url in (("prefill", PREFILL), ("decode", DECODE)):
-            events.routed.fire(role, "round_robin", "rotation", url)
-            events.upstream_opened.fire(role, url)
-            events.upstream_closed.fire(role, url)
-        events.request_finished.fire(ctx)
-        events.load.fire(0, 32)
+            ev.routed.fire(role, "round_robin", "rotation", url)
+            ev.upstream_opened.fire(role, url)
+            ev.upstream_closed.fire(role, url)
+        ev.request_finished.fire(ctx)
+        ev.load.fire(0, 32)
 
     logline_ctx = RequestContext("0123456789abcdef0123456789abcdef", "/v1/chat/completions",
                                  {}, upstream_id="fedcba9876543210fedcba9876543210")

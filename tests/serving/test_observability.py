@@ -468,25 +468,19 @@ def test_a_body_over_the_limit_is_logged_and_counted_too(
 
 
 def test_a_failing_observer_never_breaks_a_request(sim, proxy, caplog) -> None:
-    from epd_flask.core import events
-
     def broken(*args: object) -> None:
         raise RuntimeError("observer bug")
 
-    hooks = (events.upstream_opened, events.upstream_closed, events.request_finished,
-             events.load)
     p, d = sim("prefill"), sim("decode")
     px = proxy(roster([p], [d]))
-    for hook in hooks:
+    events = px.services.events
+    for hook in (events.upstream_opened, events.upstream_closed, events.request_finished,
+                 events.load):
         hook.add_listener(broken)
-    try:
-        with caplog.at_level(logging.ERROR, logger="epd_flask.core.events"):
-            r = requests.post(px.url + "/v1/chat/completions", json={**CHAT, "stream": True},
-                              timeout=10)
-            assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
-    finally:
-        for hook in hooks:
-            hook.remove_listener(broken)
+    with caplog.at_level(logging.ERROR, logger="epd_flask.core.events"):
+        r = requests.post(px.url + "/v1/chat/completions", json={**CHAT, "stream": True},
+                          timeout=10)
+        assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
     failed = {rec.getMessage().split(" failed in ")[1] for rec in caplog.records
               if " failed in " in rec.getMessage()}
     assert failed == {"upstream_opened", "upstream_closed", "request_finished", "load"}

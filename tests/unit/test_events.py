@@ -1,5 +1,5 @@
-"""The event hooks: each declared once in core/events.py, and a listener that fails is logged
-and skipped instead of breaking the request that fired it."""
+"""The event hooks: each declared once in core/events.py and made per app, and a listener that
+fails is logged and skipped instead of breaking the request that fired it."""
 
 from __future__ import annotations
 
@@ -10,31 +10,40 @@ from pathlib import Path
 import pytest
 
 from epd_flask.core import events
-from epd_flask.core.events import EventHook
-from epd_flask.observe.metrics import OBSERVER
+from epd_flask.core.events import EventHook, Events
+from epd_flask.observe.metrics import MetricsObserver
 
 PACKAGE = Path(events.__file__).resolve().parents[1]
 #: Below observe/: none of these may load a metrics library.
 BELOW_OBSERVE = ("core", "control", "upstream", "fleet", "serving")
 
 
-def _hooks() -> dict[str, EventHook]:
-    return {name: h for name, h in vars(events).items() if isinstance(h, EventHook)}
-
-
 def test_every_hook_knows_its_name_and_the_metrics_listen_to_each() -> None:
-    hooks = _hooks()
+    hooks = Events().hooks()
     assert len(hooks) == 19
     assert all(h.name == name for name, h in hooks.items())
-    OBSERVER.listen()
-    for name, hook in hooks.items():
-        assert getattr(OBSERVER, name) in hook._listeners, name
+    assert not any(isinstance(v, EventHook) for v in vars(events).values())  # none per process
+    app = Events()
+    observer = MetricsObserver()
+    observer.listen(app)
+    for name, hook in app.hooks().items():
+        assert hook._listeners == (getattr(observer, name),), name
+        assert not getattr(Events(), name)._listeners  # another app's hook hears nothing
+
+
+def test_two_apps_hear_only_their_own_events() -> None:
+    first, second = Events(), Events()
+    heard: list[tuple[str, str, str]] = []
+    first.evicted.add_listener(lambda role, url: heard.append(("first", role, url)))
+    second.evicted.add_listener(lambda role, url: heard.append(("second", role, url)))
+    second.evicted.fire("decode", "http://d:2")
+    first.evicted.fire("prefill", "http://p:1")
+    assert heard == [("second", "decode", "http://d:2"), ("first", "prefill", "http://p:1")]
 
 
 def test_a_failing_listener_is_logged_and_the_next_one_still_hears(
         caplog: pytest.LogCaptureFixture) -> None:
-    hook: EventHook[[str, str]] = EventHook()
-    hook.name = "upstream_opened"
+    hook: EventHook[[str, str]] = EventHook("upstream_opened")
     heard: list[tuple[str, str]] = []
 
     def broken(role: str, url: str) -> None:

@@ -19,7 +19,7 @@ import zmq
 import zmq.green as zmq_green
 
 from epd_flask.control.roster import Instance, Roster, RosterError, Settings, parse
-from epd_flask.core import events
+from epd_flask.core.events import Events
 from epd_flask.fleet import kvevents, policies
 from epd_flask.fleet.kvaware import Tokenizer, tokenize_request
 from epd_flask.fleet.kvcache import prompt_keys
@@ -69,31 +69,34 @@ def publishers() -> Iterator[list[Publisher]]:
 
 
 class Heard:
+    """What readers built with ``events`` reported."""
+
     def __init__(self) -> None:
         self.counts: dict[tuple[str, str], int] = {}
+        self.events = Events()
+        self.events.kv_events.add_listener(self)
 
     def __call__(self, url: str, kind: str, n: int) -> None:
         self.counts[(url, kind)] = self.counts.get((url, kind), 0) + n
 
 
 @pytest.fixture
-def heard() -> Iterator[Heard]:
-    listener = Heard()
-    events.kv_events.add_listener(listener)
-    yield listener
-    events.kv_events.remove_listener(listener)
+def heard() -> Heard:
+    return Heard()
 
 
-def kv_router(instances: list[Instance], timeout: float = 0.5) -> tuple[KVEvents, Router]:
+def kv_router(instances: list[Instance], timeout: float = 0.5,
+              events: Events | None = None) -> tuple[KVEvents, Router]:
     """A ``kv_aware`` prefill router over ``instances``, reading their KV events."""
     live = LiveFleet(Roster(settings=Settings(routing={"prefill": "kv_aware"}),
                             instances=tuple(instances)))
-    kv = KVEvents(live.registry)
+    kv = KVEvents(live.registry, events=events)
     return kv, Router(live, pictures=kv.picture, no_pictures=kv.missing,
                       tokenizer=Tokenizer(Transport(), lambda: timeout), seed=0)
 
 
-def fleet(publishers: list[Publisher], n: int) -> tuple[Registry, KVEvents, Router]:
+def fleet(publishers: list[Publisher], n: int,
+          events: Events | None = None) -> tuple[Registry, KVEvents, Router]:
     instances = []
     for _i in range(n):
         pub = Publisher()
@@ -101,7 +104,7 @@ def fleet(publishers: list[Publisher], n: int) -> tuple[Registry, KVEvents, Rout
         # Nobody listens at these URLs: a /tokenize call is refused at once.
         instances.append(Instance(role="prefill", url=f"http://127.0.0.1:{free_port()}",
                                   kv_events=pub.endpoint))
-    kv, router = kv_router(instances)
+    kv, router = kv_router(instances, events=events)
     return router.live.registry, kv, router
 
 
@@ -187,7 +190,7 @@ def test_on_a_prefill_the_choice_is_where_the_prompt_would_be_done_first() -> No
 
 def test_kv_aware_routes_to_the_instance_holding_the_prompt_and_logs_why(
         publishers: list[Publisher], heard: Heard) -> None:
-    registry, kv, router = fleet(publishers, 3)
+    registry, kv, router = fleet(publishers, 3, heard.events)
     kv.start()
     try:
         assert eventually(lambda: connected(kv, 3))
@@ -206,7 +209,7 @@ def test_kv_aware_routes_to_the_instance_holding_the_prompt_and_logs_why(
 
 def test_garbage_and_gaps_are_counted_warned_about_once_and_tolerated(
         publishers: list[Publisher], heard: Heard, caplog: pytest.LogCaptureFixture) -> None:
-    registry, kv, router = fleet(publishers, 1)
+    registry, kv, router = fleet(publishers, 1, heard.events)
     url = registry.instances()[0].url
     pub = publishers[0]
     kv.start()
@@ -403,7 +406,7 @@ def test_tokenize_answering_ids_no_block_can_hold_routes_by_prefix(
 @pytest.mark.parametrize("token", [-1, 2 ** 32, 2 ** 64 - 1], ids=["negative", "2^32", "2^64-1"])
 def test_a_store_of_ids_no_block_can_hold_is_malformed_and_the_reader_goes_on(
         publishers: list[Publisher], heard: Heard, token: int) -> None:
-    registry, kv, _router = fleet(publishers, 1)
+    registry, kv, _router = fleet(publishers, 1, heard.events)
     url = registry.instances()[0].url
     pub = publishers[0]
     kv.sync()
@@ -432,7 +435,7 @@ def high_fds() -> Iterator[None]:
 
 def test_readers_work_at_descriptor_numbers_past_select_s_reach(
         publishers: list[Publisher], heard: Heard, high_fds: None) -> None:
-    registry, kv, router = fleet(publishers, 3)
+    registry, kv, router = fleet(publishers, 3, heard.events)
     kv.start()
     try:
         assert eventually(lambda: connected(kv, 3))
@@ -506,7 +509,7 @@ def test_a_message_claiming_more_events_than_any_step_has_is_dropped_unread(
         publishers: list[Publisher], heard: Heard) -> None:
     """Its count is read before any event is decoded: too many, and the whole message goes,
     counted as dropped; the picture that missed it is stale, and kv_aware says so."""
-    registry, kv, router = fleet(publishers, 1)
+    registry, kv, router = fleet(publishers, 1, heard.events)
     url = registry.instances()[0].url
     kv.sync()
     try:
@@ -551,7 +554,7 @@ HOSTILE: dict[str, tuple[list[bytes], str]] = {
 def test_hostile_messages_are_counted_and_the_reader_goes_on(
         publishers: list[Publisher], heard: Heard, name: str) -> None:
     frames, kind = HOSTILE[name]
-    registry, kv, _router = fleet(publishers, 1)
+    registry, kv, _router = fleet(publishers, 1, heard.events)
     url = registry.instances()[0].url
     pub = publishers[0]
     kv.sync()

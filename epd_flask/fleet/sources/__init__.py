@@ -21,7 +21,7 @@ from epd_flask.control import sourcespecs
 from epd_flask.control.roster import Instance, RosterError, parse_instance
 from epd_flask.control.statedir import StateDir
 from epd_flask.control.urlpolicy import URLPolicy, URLPolicyError, check_addresses
-from epd_flask.core import events
+from epd_flask.core.events import Events
 from epd_flask.fleet.live import LiveFleet
 
 logger = logging.getLogger(__name__)
@@ -35,6 +35,8 @@ class SourceState:
     detail: str = "starting"
     since: float = field(default_factory=time.time)
     members: int = 0
+    #: The app's hooks, told of every state recorded.
+    events: Events = field(default_factory=Events, repr=False)
 
     def set(self, up: bool, detail: str) -> bool:
         """Record the state; True when ``up`` changed (the caller logs once per outage)."""
@@ -42,7 +44,7 @@ class SourceState:
         if changed:
             self.since = time.time()
         self.up, self.detail = up, detail
-        events.discovery.fire(self.name, up)
+        self.events.discovery.fire(self.name, up)
         return changed
 
     def doc(self) -> dict[str, Any]:
@@ -67,6 +69,8 @@ class Context:
     #: The URL policy of the moment (the server's own addresses join it once it listens).
     policy: Callable[[], URLPolicy] = URLPolicy
     state_dir: StateDir | None = None
+    #: The app's hooks, which every source's state fires on.
+    events: Events = field(default_factory=Events)
 
 
 def build(discovery: dict[str, Any], context: Context) -> dict[str, Source]:

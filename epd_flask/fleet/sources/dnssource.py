@@ -84,7 +84,7 @@ class DnsSource:
     def __init__(self, entries: tuple[DnsName, ...], context: Context) -> None:
         self.entries = entries
         self.context = context
-        self.state = SourceState(NAME)
+        self.state = SourceState(NAME, events=context.events)
         self._found: dict[int, list[Instance]] = {}
         self._failing: dict[int, str] = {}
         #: Per name, the records it answered that were refused (each logged once).

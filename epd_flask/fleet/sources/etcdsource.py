@@ -61,7 +61,7 @@ class EtcdSource:
         self.context = context
         self.client = client or EtcdClient(options.endpoints)
         self.members = members_prefix(options.prefix)
-        self.state = SourceState(NAME)
+        self.state = SourceState(NAME, events=context.events)
         self.revision = 0
         self._records: dict[str, Instance] = {}  # key -> instance
         self._raw: dict[str, Any] = {}  # key -> record as stored, for the saved copy
