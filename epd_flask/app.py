@@ -34,7 +34,7 @@ from epd_flask.fleet.routing import LiveInstances, Router
 from epd_flask.fleet.saturation import Capacity, RoomySource
 from epd_flask.fleet.sources import Context as SourceContext
 from epd_flask.fleet.sources import build as build_sources
-from epd_flask.observe import metrics
+from epd_flask.observe.metrics import Metrics
 from epd_flask.observe.tracing import TraceSettings, Tracing
 from epd_flask.serving import context
 from epd_flask.serving.admission import AdmissionGate
@@ -62,7 +62,8 @@ def build_services(config: ProxyConfig, roster: Roster, generation: int = 0, *,
     under gunicorn, starts each worker somewhere random."""
     settings = roster.settings
     events = Events()
-    metrics.install(events, config.state_dir)  # before anything below fires
+    # Before anything below fires.
+    metrics = Metrics(events, config.prometheus_multiproc_dir, config.state_dir)
     live = LiveFleet(roster, generation,
                      Registry(roster.instances, settings.fail_threshold, settings.evicted_ttl,
                               events=events))
@@ -99,11 +100,11 @@ def build_services(config: ProxyConfig, roster: Roster, generation: int = 0, *,
     traced = TraceSettings.from_config(config)
     svc = Services(config, live, router, transport, pipeline, prober, roster_sync,
                    inflight, Drain(inflight, config.drain_idle_grace, events=events),
-                   discovery, events=events,
+                   events, metrics, discovery,
                    keys=KeyRing(config.api_keys, config.key_tenants),
                    url_policy=URLPolicy.build(config.instance_schemes,
                                               config.instance_networks),
-                   history=metrics.History(), kv_events=kv_events,
+                   kv_events=kv_events,
                    tracing=Tracing(traced, events) if traced is not None else None,
                    admission=admission)
     # The policy is read at each record: the server's own addresses join it after the build.

@@ -24,7 +24,6 @@ from gevent.pywsgi import WSGIServer
 from epd_flask.app import create_app, services
 from epd_flask.control.config import ProxyConfig
 from epd_flask.control.roster import parse
-from epd_flask.observe import metrics
 from epd_flask.sim import SimConfig, SimServer
 from tests.fakes import FakeUpstream, Handler, upstreams
 from tests.helpers import NoDelayHandler
@@ -86,15 +85,3 @@ def proxy() -> Iterator[Callable[..., Proxy]]:
     for p in started:
         services(p.app).stop()
         p.server.stop(timeout=1)
-    if started:
-        forget_instance_gauges()
-
-
-def forget_instance_gauges() -> None:
-    """Drop the per-instance state gauges once a test's apps are gone, as a gunicorn worker's
-    die with it (livemostrecent). Metrics are process-wide here, and a later test's simulator
-    may get the same port, hence the same ``instance`` label: without this it would show an
-    earlier app's probe results and liveness as its own. Counters need nothing (tests compare
-    them before and after), nor does epd_upstream_in_flight: it counts back to 0 by itself, and
-    the observer keeps its children, which a clear() would orphan."""
-    metrics.OBSERVER.forget_instances()

@@ -9,6 +9,10 @@ the handlers are greenlets of one thread and an update never yields, so the lock
 contended; and a fork is noticed by ``os.register_at_fork`` instead of asked for on every
 update. What is written, and when, is unchanged: each update still goes to the file at once,
 so a scrape right after a request sees it. 0.19 us per update.
+
+Like prometheus_client's own choice of value class, this is the process's: ``Metrics`` installs
+it when an app of the process writes multiprocess files (observe/metrics.py says why the
+choice cannot be an app's).
 """
 
 from __future__ import annotations

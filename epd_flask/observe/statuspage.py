@@ -1,6 +1,7 @@
 """The ``/status`` page: what it shows, computed from two metric snapshots (now and a few
 minutes ago, the same samples ``/metrics`` exposes) and, for its plots, from every sample the
-worker kept in between; and its HTML.
+worker kept in between; and its HTML. Samples are named through the app's metric objects
+(``families.sample``), never spelled here.
 
 Plain HTML with inline style and no external assets, laid out as headings and tables so it
 reads in a terminal browser (w3m, lynx) too; state is written out in words, not only colours.
@@ -20,7 +21,8 @@ from epd_flask import __version__
 from epd_flask.control.roles import ROLES
 from epd_flask.core.events import FleetEntry
 from epd_flask.observe import plots
-from epd_flask.observe.metrics import STATUS_WINDOW_SECONDS, Snapshot
+from epd_flask.observe.families import Families, sample
+from epd_flask.observe.history import STATUS_WINDOW_SECONDS, Snapshot
 
 STAGE_ORDER = ("encode", "rewrite", "prefill", "decode_first_byte")
 REFRESH_SECONDS = 5
@@ -141,9 +143,9 @@ class Status:
     sources: list[SourceRow] = field(default_factory=list)
 
 
-def _latencies(now: Snapshot, then: Snapshot | None) -> list[Latency]:
+def _latencies(m: Families, now: Snapshot, then: Snapshot | None) -> list[Latency]:
     out = []
-    stage_rows = delta(now, then, "epd_stage_duration_seconds_bucket")
+    stage_rows = delta(now, then, sample(m.stage_seconds, "_bucket"))
     by_stage = buckets(stage_rows, ["stage"])
     by_instance = buckets(stage_rows, ["stage", "instance"])
     names = [s for s in STAGE_ORDER if (s,) in by_stage]
@@ -155,9 +157,9 @@ def _latencies(now: Snapshot, then: Snapshot | None) -> list[Latency]:
         if all(d.name == "(no instance)" for d in row.detail):
             row.detail = []  # a proxy-side step (rewrite): the stage row says it all
         out.append(row)
-    for name, label in (("epd_request_first_byte_seconds_bucket", "first byte (end to end)"),
-                        ("epd_request_duration_seconds_bucket", "total (end to end)")):
-        total = buckets(delta(now, then, name), [])
+    for metric, label in ((m.first_byte_seconds, "first byte (end to end)"),
+                          (m.duration_seconds, "total (end to end)")):
+        total = buckets(delta(now, then, sample(metric, "_bucket")), [])
         if () in total:
             out.append(_latency(label, total[()]))
     return out
@@ -168,8 +170,8 @@ def _latency(name: str, cumulative: list[tuple[float, float]]) -> Latency:
     return Latency(name, count, quantile(0.5, cumulative), quantile(0.99, cumulative))
 
 
-def charts(samples: Sequence[Snapshot], now: Snapshot, fleet: Sequence[FleetEntry],
-           span: float = STATUS_WINDOW_SECONDS) -> list[plots.Chart]:
+def charts(m: Families, samples: Sequence[Snapshot], now: Snapshot,
+           fleet: Sequence[FleetEntry], span: float = STATUS_WINDOW_SECONDS) -> list[plots.Chart]:
     """Requests/s, 5xx ratio, time to first byte (p50, p99) and upstream calls in flight per
     instance, one point per sampling interval over the last ``span`` seconds."""
     points = [s for s in samples if s is not now and 0 < now.taken - s.taken <= span]
@@ -179,19 +181,21 @@ def charts(samples: Sequence[Snapshot], now: Snapshot, fleet: Sequence[FleetEntr
     errors: list[plots.Point] = []
     p50: list[plots.Point] = []
     p99: list[plots.Point] = []
+    requests, first_byte = sample(m.requests), sample(m.first_byte_seconds, "_bucket")
+    in_flight_name = sample(m.in_flight)
     for then, snap in itertools.pairwise(points):
         at, seconds = snap.taken - now.taken, snap.taken - then.taken
-        answered = delta(snap, then, "epd_requests_total")
+        answered = delta(snap, then, requests)
         total = sum(n for _, n in answered)
         failed = sum(n for labels, n in answered if labels.get("status", "").startswith("5"))
         rate.append((at, total / seconds if seconds > 0 else None))
         errors.append((at, failed / total if total else None))
-        ttfb = buckets(delta(snap, then, "epd_request_first_byte_seconds_bucket"), []).get((), [])
+        ttfb = buckets(delta(snap, then, first_byte), []).get((), [])
         p50.append((at, quantile(0.5, ttfb)))
         p99.append((at, quantile(0.99, ttfb)))
     in_flight = []
     for e in sorted(fleet, key=lambda e: (_role_rank(e.role), e.url)):
-        values = [(snap.taken - now.taken, summed(list(snap.series("epd_upstream_in_flight")),
+        values = [(snap.taken - now.taken, summed(list(snap.series(in_flight_name)),
                                                   ["instance"]).get((e.url,), 0.0))
                   for snap in points]
         in_flight.append(plots.Line(f"{e.role} {e.url}", values))
@@ -202,69 +206,66 @@ def charts(samples: Sequence[Snapshot], now: Snapshot, fleet: Sequence[FleetEntr
             plots.Chart("Upstream calls in flight", "", span, in_flight)]
 
 
-def build(now: Snapshot, then: Snapshot | None, fleet: Sequence[FleetEntry],
+def build(m: Families, now: Snapshot, then: Snapshot | None, fleet: Sequence[FleetEntry],
           ready: str, samples: Sequence[Snapshot] = (),
           sources: Sequence[Mapping[str, Any]] = ()) -> Status:
-    """The page's content from the newest snapshot, an older one, this worker's roster,
-    (for the plots) the samples kept between them, and this worker's membership sources
-    (``SourceState.doc()``)."""
-    gauge = {name: summed(list(now.series(name)), ["instance"]) for name in (
-        "epd_instance_live", "epd_instance_last_probe_ok",
-        "epd_instance_last_probe_latency_seconds", "epd_instance_last_probe_timestamp_seconds",
-        "epd_upstream_in_flight")}
-    calls = summed(delta(now, then, "epd_stage_duration_seconds_count"), ["instance"])
-    errors = summed(delta(now, then, "epd_upstream_errors_total"), ["instance"])
-    prompt = summed(delta(now, then, "epd_prefill_prompt_tokens_total"), ["instance"])
-    cached = summed(delta(now, then, "epd_prefill_cached_tokens_total"), ["instance"])
+    """The page's content from the newest snapshot of the app's metrics ``m``, an older one,
+    this worker's roster, (for the plots) the samples kept between them, and this worker's
+    membership sources (``SourceState.doc()``)."""
+    live_g, ok_g, latency_g, probed_g, in_flight_g = (
+        summed(list(now.series(sample(g))), ["instance"]) for g in (
+            m.instance_live, m.probe_ok, m.probe_latency, m.probe_time, m.in_flight))
+    calls = summed(delta(now, then, sample(m.stage_seconds, "_count")), ["instance"])
+    errors = summed(delta(now, then, sample(m.upstream_errors)), ["instance"])
+    prompt = summed(delta(now, then, sample(m.prefill_prompt_tokens)), ["instance"])
+    cached = summed(delta(now, then, sample(m.prefill_cached_tokens)), ["instance"])
     wall = time.time()
     rows = []
     for e in sorted(fleet, key=lambda e: (_role_rank(e.role), e.url)):
         key = (e.url,)
-        live = gauge["epd_instance_live"].get(key)
-        probed = gauge["epd_instance_last_probe_timestamp_seconds"].get(key)
-        ok = gauge["epd_instance_last_probe_ok"].get(key)
+        live, probed, ok = live_g.get(key), probed_g.get(key), ok_g.get(key)
         rows.append(InstanceRow(
             e.role, e.url, e.live if live is None else live >= 1,
             None if ok is None else ok >= 1,
             None if probed is None else max(0.0, wall - probed),
-            gauge["epd_instance_last_probe_latency_seconds"].get(key),
-            gauge["epd_upstream_in_flight"].get(key, 0.0),
+            latency_g.get(key), in_flight_g.get(key, 0.0),
             calls.get(key, 0.0), errors.get(key, 0.0),
             cached.get(key, 0.0) / prompt[key] if prompt.get(key) else None))
     requests = sorted((route, status, n) for (route, status), n in summed(
-        delta(now, then, "epd_requests_total"), ["route", "status"]).items() if n > 0)
+        delta(now, then, sample(m.requests)), ["route", "status"]).items() if n > 0)
     counters = []
-    for title, name, by in (
-            ("Retries by stage and cause", "epd_retries_total", ["stage", "cause"]),
-            ("Routing decisions by role, policy, outcome and instance",
-             "epd_routing_decisions_total", ["role", "policy", "outcome", "instance"]),
-            ("Upstream errors by instance and kind", "epd_upstream_errors_total",
+    for title, metric, by in (
+            ("Retries by stage and cause", m.retries, ["stage", "cause"]),
+            ("Routing decisions by role, policy, outcome and instance", m.routing,
+             ["role", "policy", "outcome", "instance"]),
+            ("Upstream errors by instance and kind", m.upstream_errors,
              ["instance", "stage", "kind"]),
-            ("Probe failures", "epd_probe_failures_total", ["instance"]),
-            ("Evictions", "epd_evictions_total", ["instance"]),
-            ("Rejoins", "epd_rejoins_total", ["instance"]),
-            ("Roster reloads", "epd_roster_reloads_total", ["source", "outcome"])):
-        items = [(" ".join(k), n) for k, n in sorted(summed(delta(now, then, name), by).items())
-                 if n > 0]
+            ("Probe failures", m.probe_failures, ["instance"]),
+            ("Evictions", m.evictions, ["instance"]),
+            ("Rejoins", m.rejoins, ["instance"]),
+            ("Roster reloads", m.reloads, ["source", "outcome"])):
+        items = [(" ".join(k), n) for k, n in
+                 sorted(summed(delta(now, then, sample(metric)), by).items()) if n > 0]
         counters.append((title, items))
-    chunks = sum(n for _, n in delta(now, then, "epd_streamed_chunks_total"))
+    chunks = sum(n for _, n in delta(now, then, sample(m.chunks)))
     window = None if then is None else now.taken - then.taken
-    return Status(window, ready, rows, requests, _latencies(now, then), chunks, counters,
-                  charts(samples, now, fleet), _models(now, then),
-                  sources=_sources(now, sources))
+    return Status(window, ready, rows, requests, _latencies(m, now, then), chunks, counters,
+                  charts(m, samples, now, fleet), _models(m, now, then),
+                  sources=_sources(m, now, sources))
 
 
-def _sources(now: Snapshot, sources: Sequence[Mapping[str, Any]]) -> list[SourceRow]:
-    up = {labels.get("source"): value for labels, value in now.series("epd_discovery_up")}
+def _sources(m: Families, now: Snapshot,
+             sources: Sequence[Mapping[str, Any]]) -> list[SourceRow]:
+    up = {labels.get("source"): value for labels, value in now.series(sample(m.discovery_up))}
     return [SourceRow(s["source"], bool(s["up"]) if up.get(s["source"]) is None
                       else up[s["source"]] >= 1, s["detail"], s["since"], s["members"])
             for s in sources]
 
 
-def _models(now: Snapshot, then: Snapshot | None) -> list[ModelRow]:
-    served = summed(delta(now, then, "epd_model_requests_total"), ["model"])
-    errors = summed(delta(now, then, "epd_model_errors_total"), ["model"])
-    ttft = buckets(delta(now, then, "epd_model_first_byte_seconds_bucket"), ["model"])
+def _models(m: Families, now: Snapshot, then: Snapshot | None) -> list[ModelRow]:
+    served = summed(delta(now, then, sample(m.model_requests)), ["model"])
+    errors = summed(delta(now, then, sample(m.model_errors)), ["model"])
+    ttft = buckets(delta(now, then, sample(m.model_first_byte_seconds, "_bucket")), ["model"])
     return [ModelRow(model, n, errors.get((model,), 0.0),
                      _latency("time to first byte", ttft.get((model,), [])))
             for (model,), n in sorted(served.items()) if n > 0]

@@ -26,17 +26,19 @@ bp = Blueprint("ops", __name__)
 
 @bp.get("/metrics")
 def prometheus_metrics() -> Response:
-    return Response(metrics.exposition(), status=200, content_type=metrics.CONTENT_TYPE)
+    return Response(services().metrics.exposition(), status=200,
+                    content_type=metrics.CONTENT_TYPE)
 
 
 @bp.get("/status")
 def status_page() -> Response:
     svc = services()
-    now = metrics.snapshot()
+    history = svc.metrics.history
+    now = svc.metrics.snapshot()
     ok, reason = svc.pipeline.ready()
     fleet = [FleetEntry(s.instance.role, s.instance.url, s.live) for s in svc.registry.states()]
-    page = statuspage.build(now, svc.history.baseline(now), fleet, "yes" if ok else reason,
-                            svc.history.samples(),
+    page = statuspage.build(svc.metrics.families, now, history.baseline(now), fleet,
+                            "yes" if ok else reason, history.samples(),
                             [source.state.doc() for source in svc.sources.values()])
     return Response(statuspage.render(page), status=200, content_type="text/html; charset=utf-8",
                     headers={"Cache-Control": "no-store"})

@@ -23,7 +23,7 @@ from epd_flask.fleet.registry import Registry
 from epd_flask.fleet.rostersync import RosterSync
 from epd_flask.fleet.routing import Router
 from epd_flask.fleet.sources import Source
-from epd_flask.observe import metrics
+from epd_flask.observe.metrics import Metrics
 from epd_flask.observe.tracing import Tracing
 from epd_flask.serving.admission import AdmissionGate
 from epd_flask.serving.pipeline import Pipeline
@@ -46,12 +46,12 @@ class Services:
     roster_sync: RosterSync
     inflight: InFlight
     drain: Drain
-    discovery: BootstrapDiscovery | None = None
     #: The app's hooks: everything above fires on them, its metrics listen to them.
-    events: Events = field(default_factory=Events)
+    events: Events
+    metrics: Metrics
+    discovery: BootstrapDiscovery | None = None
     keys: KeyRing = field(default_factory=lambda: KeyRing(()))
     url_policy: URLPolicy = field(default_factory=URLPolicy)
-    history: metrics.History = field(default_factory=metrics.History)
     kv_events: KVEvents | None = None
     #: Membership sources besides the file (fleet/sources), by name.
     sources: dict[str, Source] = field(default_factory=dict)
@@ -77,7 +77,7 @@ class Services:
         self.prober.start()
         if self.discovery is not None:
             self.discovery.start()
-        self.history.start()
+        self.metrics.start()
         if self.kv_events is not None:
             self.kv_events.start()
         for source in self.sources.values():
@@ -94,7 +94,7 @@ class Services:
         self.prober.stop()
         if self.discovery is not None:
             self.discovery.stop()
-        self.history.stop()
+        self.metrics.stop()
         if self.kv_events is not None:
             self.kv_events.stop()
         self.roster_sync.stop()

@@ -89,7 +89,6 @@ def main() -> None:
     from epd_flask.control.roster import parse
     from epd_flask.core.events import FleetEntry
     from epd_flask.core.headers import REQUEST_ID_HEADER
-    from epd_flask.observe import metrics
     from epd_flask.serving.context import RequestContext
     from epd_flask.serving.pipeline import Reply
     try:
@@ -110,12 +109,12 @@ def main() -> None:
 
     roster = parse({"instances": [{"role": "prefill", "url": PREFILL},
                                   {"role": "decode", "url": DECODE}]}, "bench")
-    app = create_app(ProxyConfig(), roster)
+    app = create_app(ProxyConfig.from_env(), roster)
     svc = services(app)
     ev = svc.events
-    metrics.OBSERVER.fleet([FleetEntry("prefill", PREFILL, True),
-                            FleetEntry("decode", DECODE, True)])
-    metrics.OBSERVER.models(["m"])
+    svc.metrics.observer.fleet([FleetEntry("prefill", PREFILL, True),
+                                FleetEntry("decode", DECODE, True)])
+    svc.metrics.observer.models(["m"])
 
     def completion(path: str, body: dict[str, Any], ctx: RequestContext) -> Reply:
         ctx.model = "m"
@@ -146,7 +145,7 @@ def main() -> None:
         return once
 
     def observer() -> None:
-        ctx = RequestContext("r", "/v1/chat/completions", {})
+        ctx = RequestContext("r", "/v1/chat/completions", {}, events=ev)
         ctx.model = "m"
         ctx.instances.update(prefill=PREFILL, decode=DECODE)
         ctx.timings.update(prefill=1.5, decode_first_byte=2.5, first_byte=4.0, total=4.0)

@@ -3,11 +3,14 @@
 One fleet (an encoder, a prefill, two decodes) and a proxy go through what an operator would
 watch for: multimodal and streamed requests, a retried decode failure, a probe failure that
 evicts an instance and its rejoin, admin changes applied and refused, a request refused at the
-in-flight cap, a stream ended by a stopping worker, and spans traced to a collector and
-lost to one that is gone. ``/metrics`` is scraped over HTTP
-after each step; a documented metric whose series never changed between two scrapes fails the
-test, and so does a documented name the exposition does not know. A metric added to the README
-without anything that moves it fails here until a step does.
+in-flight cap, a stream ended by a stopping worker, and (each on an app of its own, whose
+metrics are its own) a membership source that cannot reach its nameserver and spans traced to a
+collector and lost to one that is gone. ``/metrics`` is scraped over HTTP after each step. An
+app's metrics are born with it: its first scrape counts what it started with other than 0
+(the roster, the cap), every later one what appeared or changed since the one before. A
+documented metric that never moved fails the test, and so does a documented name the
+exposition does not know. A metric added to the README without anything that moves it fails
+here until a step does.
 """
 
 from __future__ import annotations
@@ -49,10 +52,12 @@ def family(sample_name: str) -> str:
     return sample_name
 
 
-def moved(before: Samples, after: Samples) -> set[str]:
-    """Families with a series that appeared or changed value between two scrapes."""
+def moved(before: Samples, after: Samples, absent: float | None = None) -> set[str]:
+    """Families with a series that appeared or changed value between two scrapes; with
+    ``absent``, a series missing before counts as that value (an app's first scrape against
+    its birth, with 0: only what it started with other than 0)."""
     return {family(name) for (name, labels), value in after.items()
-            if before.get((name, labels)) != value}
+            if before.get((name, labels), absent) != value}
 
 
 def test_every_documented_metric_moves(sim, proxy, tmp_path: Path, monkeypatch) -> None:
@@ -68,12 +73,12 @@ def test_every_documented_metric_moves(sim, proxy, tmp_path: Path, monkeypatch) 
     roster.write_text(yaml.safe_dump(doc))
     px = proxy(doc, roster_path=str(roster), admin_api_key=KEY, max_in_flight=2)
     seen: set[str] = set()
-    last = scrape(px.url)
+    last: Samples | None = None
 
     def step() -> None:
         nonlocal last
         now = scrape(px.url)
-        seen.update(moved(last, now))
+        seen.update(moved(last or {}, now, 0.0 if last is None else None))
         last = now
 
     # Probes (last-probe gauges, live instances) and the admin API (a reload applied, one
@@ -132,18 +137,18 @@ def test_every_documented_metric_moves(sim, proxy, tmp_path: Path, monkeypatch) 
         px.services.kv_events.stop()
         events.close()
     step()
-    # A membership source whose nameserver does not answer says so.
+    # A membership source whose nameserver does not answer says so, on its own app's
+    # /metrics (each app's metrics are its own): scraped before its sources start and after.
     lost = proxy({"discovery": {"dns": [{"name": "d.svc.test", "role": "decode", "port": 8000,
                                          "interval": 0.1,
-                                         "nameserver": f"127.0.0.1:{free_port()}"}]}},
-                 probes=True)
+                                         "nameserver": f"127.0.0.1:{free_port()}"}]}})
+    before = scrape(lost.url)
+    lost.services.start()
     dns = lost.services.sources["dns"]
     assert eventually(lambda: dns.state.detail != "starting" and not dns.state.up)
-    step()
-    # The per-worker cap is a setting: another worker (app) with another cap reports it.
-    other = proxy(doc, max_in_flight=3)
-    assert requests.post(other.url + "/v1/chat/completions", json=CHAT, timeout=10).ok
-    step()
+    after = scrape(lost.url)
+    seen.update(moved(before, after) & {"epd_discovery_up"})
+    exposed = [*after]
     # Tracing: spans sent to a collector, and spans lost to one that is gone.
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "0.5")
     collector, gone = Receiver().start(), Receiver().start()
@@ -151,14 +156,18 @@ def test_every_documented_metric_moves(sim, proxy, tmp_path: Path, monkeypatch) 
     try:
         for url in (collector.url, gone.url):
             traced = proxy(doc, otel_exporter_otlp_traces_endpoint=url)
+            before = scrape(traced.url)
             traced.services.tracing.start()
             assert requests.post(traced.url + "/v1/chat/completions", json=CHAT,
                                  timeout=10).ok
             traced.services.tracing.flush(10)
+            after = scrape(traced.url)
+            seen.update(moved(before, after) & {"epd_tracing_spans_exported_total",
+                                                "epd_tracing_spans_dropped_total"})
+            exposed += after
     finally:
         collector.stop()
-    step()
 
-    known = {family(name) for name, _ in last}
+    known = {family(name) for name, _ in (*last, *exposed)}
     assert names <= known, f"documented but never exposed: {sorted(names - known)}"
     assert names <= seen, f"documented but never moved: {sorted(names - seen)}"

@@ -8,10 +8,12 @@ import logging
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from epd_flask.core import events
 from epd_flask.core.events import EventHook, Events
-from epd_flask.observe.metrics import MetricsObserver
+from epd_flask.observe.families import Families
+from epd_flask.observe.observer import MetricsObserver
 
 PACKAGE = Path(events.__file__).resolve().parents[1]
 #: Below observe/: none of these may load a metrics library.
@@ -24,7 +26,7 @@ def test_every_hook_knows_its_name_and_the_metrics_listen_to_each() -> None:
     assert all(h.name == name for name, h in hooks.items())
     assert not any(isinstance(v, EventHook) for v in vars(events).values())  # none per process
     app = Events()
-    observer = MetricsObserver()
+    observer = MetricsObserver(Families(CollectorRegistry()))
     observer.listen(app)
     for name, hook in app.hooks().items():
         assert hook._listeners == (getattr(observer, name),), name

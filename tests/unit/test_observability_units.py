@@ -17,7 +17,11 @@ from prometheus_client import multiprocess as prom_multiprocess
 
 from epd_flask.control import metricsdir
 from epd_flask.control.config import ProxyConfig
+from epd_flask.core.events import Events
 from epd_flask.observe import plots
+from epd_flask.observe.families import Families
+from epd_flask.observe.metrics import Metrics
+from epd_flask.observe.observer import MetricsObserver
 from epd_flask.observe.statuspage import quantile
 from epd_flask.serving import context
 from epd_flask.serving.context import RequestContext
@@ -163,13 +167,11 @@ def test_a_dead_workers_live_gauges_go_and_its_counters_stay(tmp_path: Path) -> 
 def test_observer_counts_exactly_through_its_cached_children() -> None:
     """The observer keeps each label set's child: every update still lands, on the series
     ``labels()`` names, and the in-flight limit follows a changed cap."""
-    from epd_flask.observe import metrics
-
-    obs = metrics.MetricsObserver()
+    registry = CollectorRegistry()
+    obs = MetricsObserver(Families(registry))
     obs.known.update({"http://p:1", "http://d:1"})
     route = "/v1/chat/completions"
-    before = metrics.REQUESTS.labels(route, "200")._value.get()
-    in_flight = metrics.IN_FLIGHT.labels("decode", "http://d:1")._value.get()
+    value = registry.get_sample_value
     for _ in range(3):
         obs.upstream_opened("decode", "http://d:1")
         obs.upstream_closed("decode", "http://d:1")
@@ -177,10 +179,19 @@ def test_observer_counts_exactly_through_its_cached_children() -> None:
         ctx = RequestContext("rid", route, {})
         ctx.status, ctx.instances = 200, {"decode": "http://d:1"}
         obs.request_finished(ctx)
-    assert metrics.REQUESTS.labels(route, "200")._value.get() == before + 3
-    assert metrics.IN_FLIGHT.labels("decode", "http://d:1")._value.get() == in_flight + 3
+    assert value("epd_requests_total", {"route": route, "status": "200"}) == 3
+    assert value("epd_upstream_in_flight", {"role": "decode", "instance": "http://d:1"}) == 3
     obs.load(1, 10)
     obs.load(0, 10)
-    assert metrics.IN_FLIGHT_LIMIT._value.get() == 10
+    assert value("epd_requests_in_flight_limit") == 10
     obs.load(0, 7)
-    assert metrics.IN_FLIGHT_LIMIT._value.get() == 7
+    assert value("epd_requests_in_flight_limit") == 7
+
+
+def test_an_app_whose_metrics_dir_disagrees_with_its_process_is_refused(
+        tmp_path: Path) -> None:
+    """prometheus_client chose in-memory values when this process imported it (no
+    multiprocess directory): an app asking for files would write none."""
+    with pytest.raises(ValueError, match="PROMETHEUS_MULTIPROC_DIR set before"):
+        Metrics(Events(), multiprocess_dir=str(tmp_path))
+    Metrics(Events())  # its own registry: fine

@@ -6,9 +6,9 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 
-from epd_flask.observe import metrics
+from epd_flask.observe.families import HISTOGRAM_PARTS, Families, kind, sample
 from tests import prometheus as prom
 
 PROMTOOL = prom.binary("promtool")
@@ -26,17 +26,8 @@ def promtool(*args: str) -> str:
 
 def exported_names() -> set[str]:
     """Every sample name the proxy can expose, from its metric definitions."""
-    names = set()
-    for value in vars(metrics).values():
-        if isinstance(value, Counter):
-            names.add(value._name + "_total")
-        elif isinstance(value, Histogram):
-            names.update(value._name + suffix for suffix in ("_bucket", "_count", "_sum"))
-        elif isinstance(value, Gauge):
-            names.add(value._name)
-        elif isinstance(value, metrics.ReloadsCollector):  # read at scrape time, not a metric
-            names.update(s.name for family in value.collect() for s in family.samples)
-    return names
+    return {sample(metric, part) for metric in Families(CollectorRegistry()).collectors()
+            for part in (HISTOGRAM_PARTS if kind(metric) == "histogram" else ("",))}
 
 
 @needs_promtool

@@ -7,7 +7,8 @@ from __future__ import annotations
 import gevent
 import pytest
 
-from epd_flask.core import errors, events
+from epd_flask.core import errors
+from epd_flask.core.events import Events
 from epd_flask.serving.context import RequestContext
 
 
@@ -38,30 +39,28 @@ def test_one_rule_says_what_may_run_again(err: errors.ProxyError, retryable: boo
         assert errors.worth_another_instance(err)
 
 
+class Seen(list[tuple[str, ...]]):
+    """What a request context made with ``events`` told its observers about its legs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events = Events()
+        self.events.upstream_opened.add_listener(lambda role, url: self.append(("opened", url)))
+        self.events.upstream_closed.add_listener(lambda role, url: self.append(("closed", url)))
+        self.events.upstream_error.add_listener(
+            lambda stage, url, kind: self.append(("error", url, kind)))
+
+    def context(self) -> RequestContext:
+        return RequestContext("r", "/v1/completions", {}, events=self.events)
+
+
 @pytest.fixture
-def seen():
-    log: list[tuple[str, ...]] = []
-
-    def opened(role: str, url: str) -> None:
-        log.append(("opened", url))
-
-    def closed(role: str, url: str) -> None:
-        log.append(("closed", url))
-
-    def error(stage: str, url: str, kind: str) -> None:
-        log.append(("error", url, kind))
-
-    hooks = ((events.upstream_opened, opened), (events.upstream_closed, closed),
-             (events.upstream_error, error))
-    for hook, listener in hooks:
-        hook.add_listener(listener)
-    yield log
-    for hook, listener in hooks:
-        hook.remove_listener(listener)
+def seen() -> Seen:
+    return Seen()
 
 
 def test_a_leg_block_closes_its_leg_however_it_ends(seen) -> None:
-    ctx = RequestContext("r", "/v1/completions", {})
+    ctx = seen.context()
     with ctx.leg("prefill", "prefill", "http://p") as leg:
         leg.status = 200
         assert ctx.legs == [leg]
@@ -79,7 +78,7 @@ def test_a_leg_block_closes_its_leg_however_it_ends(seen) -> None:
 
 
 def test_a_killed_leg_closes_blaming_nobody(seen) -> None:
-    ctx = RequestContext("r", "/v1/completions", {})
+    ctx = seen.context()
 
     def wait() -> None:
         with ctx.leg("decode", "decode", "http://d"):
@@ -94,7 +93,7 @@ def test_a_killed_leg_closes_blaming_nobody(seen) -> None:
 
 
 def test_a_held_leg_stays_open_until_the_request_finishes(seen) -> None:
-    ctx = RequestContext("r", "/v1/completions", {})
+    ctx = seen.context()
     with ctx.leg("decode", "decode", "http://d") as leg:
         leg.status = 200
         leg.hold()

@@ -1,0 +1,186 @@
+"""Turns one app's serving-path events into updates of its metrics: one listener method per
+hook of ``core.events.Events``, of the same name."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from epd_flask.core.events import Events, FleetEntry
+from epd_flask.observe.families import Families
+from epd_flask.serving.context import FIRST_BYTE, TOTAL, RequestContext
+
+KNOWN_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
+OTHER_ROUTE = "passthrough"
+NO_INSTANCE = ""
+NO_MODEL = ""
+# A stage spread over several instances at once (encoder fan-out) is timed as a whole.
+SEVERAL_INSTANCES = "several"
+
+
+def route_label(path: str) -> str:
+    """A free-form path never becomes a label: anything but a completion route is one value."""
+    return path if path in KNOWN_ROUTES else OTHER_ROUTE
+
+
+class MetricsObserver:
+    """The per-request updates go to children looked up once per label set and kept here:
+    prometheus_client's ``labels()`` checks and converts the values and takes a lock on every
+    call (a gevent lock in a worker): this cut the observer's CPU per non-stream request from
+    29.5 to 20.5 us. Label sets are bounded (see families.py), so is this cache.
+    """
+
+    def __init__(self, families: Families) -> None:
+        self.m = families
+        # Every URL any roster of this app listed: the only allowed instance labels.
+        self.known: set[str] = set()
+        self.roles_seen: set[str] = set()
+        # Every model name an instance of this app's rosters served: the model labels.
+        self.models_known: set[str] = set()
+        self._children: dict[tuple[object, tuple[str, ...]], Any] = {}
+        self._limit: int | None = None
+        # epd_instance_live as last set, for the instances of the latest fleet event.
+        self._live: dict[tuple[str, str], int] = {}
+
+    def listen(self, events: Events) -> None:
+        """Listen to every hook of ``events``, each with the method of its name (idempotent)."""
+        for name, hook in events.hooks().items():
+            hook.add_listener(getattr(self, name))
+
+    def model_label(self, model: str | None) -> str:
+        return model if model in self.models_known else NO_MODEL
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        key = (metric, labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
+    def instance_label(self, url: str | None) -> str:
+        if url and "," in url and all(u in self.known for u in url.split(",")):
+            return SEVERAL_INSTANCES
+        return url if url in self.known else NO_INSTANCE
+
+    def request_finished(self, ctx: RequestContext) -> None:
+        m = self.m
+        route = route_label(ctx.route)
+        child = self._child
+        child(m.requests, route, str(ctx.status or 0)).inc()
+        served_by = self.instance_label(ctx.instances.get("decode"))
+        for stage, ms in ctx.timings.items():
+            seconds = ms / 1000.0
+            if stage == TOTAL:
+                child(m.duration_seconds, route, served_by).observe(seconds)
+            elif stage == FIRST_BYTE:
+                child(m.first_byte_seconds, route, served_by).observe(seconds)
+            else:
+                role = stage.split("_", 1)[0]
+                child(m.stage_seconds, stage,
+                      self.instance_label(ctx.instances.get(role))).observe(seconds)
+        if ctx.chunks:
+            child(m.chunks, route, served_by).inc(ctx.chunks)
+        if ctx.bytes_out:
+            child(m.bytes, route).inc(ctx.bytes_out)
+        if route != OTHER_ROUTE:
+            self._per_model(ctx)
+
+    def _per_model(self, ctx: RequestContext) -> None:
+        m = self.m
+        model = self.model_label(ctx.model)
+        self._child(m.model_requests, model).inc()
+        failed = (ctx.status or 0) >= 500 or (ctx.error is not None and ctx.status == 200)
+        if failed:
+            self._child(m.model_errors, model).inc()
+        first = ctx.timings.get(FIRST_BYTE)
+        if first is not None and not failed:
+            self._child(m.model_first_byte_seconds, model).observe(first / 1000.0)
+
+    def upstream_opened(self, role: str, url: str) -> None:
+        self._child(self.m.in_flight, role, self.instance_label(url)).inc()
+
+    def upstream_closed(self, role: str, url: str) -> None:
+        self._child(self.m.in_flight, role, self.instance_label(url)).dec()
+
+    def upstream_error(self, stage: str, url: str, kind: str) -> None:
+        self.m.upstream_errors.labels(stage, self.instance_label(url), kind).inc()
+
+    def routed(self, role: str, policy: str, outcome: str, url: str) -> None:
+        self._child(self.m.routing, role, policy, outcome, self.instance_label(url)).inc()
+
+    def prefill_tokens(self, url: str, prompt: int, cached: int) -> None:
+        instance = self.instance_label(url)
+        self._child(self.m.prefill_prompt_tokens, instance).inc(prompt)
+        self._child(self.m.prefill_cached_tokens, instance).inc(cached)
+
+    def kv_events(self, url: str, kind: str, count: int) -> None:
+        self.m.kv_events.labels(self.instance_label(url), kind).inc(count)
+
+    def retry(self, stage: str, cause: str) -> None:
+        self.m.retries.labels(stage, cause).inc()
+
+    def probe(self, role: str, url: str, ok: bool, latency: float) -> None:
+        m = self.m
+        instance = self.instance_label(url)
+        if not ok:
+            m.probe_failures.labels(role, instance).inc()
+        m.probe_ok.labels(role, instance).set(1 if ok else 0)
+        m.probe_latency.labels(role, instance).set(latency)
+        m.probe_time.labels(role, instance).set(time.time())
+
+    def evicted(self, role: str, url: str) -> None:
+        self.m.evictions.labels(role, self.instance_label(url)).inc()
+
+    def rejoined(self, role: str, url: str) -> None:
+        self.m.rejoins.labels(role, self.instance_label(url)).inc()
+
+    def fleet(self, entries: Sequence[FleetEntry]) -> None:
+        """Every change of a fleet (a source's change, an eviction) lists the whole fleet:
+        only the instances whose state changed are written, so a change costs a fleet of
+        thousands what it costs a small one (a gauge write per instance was 6 ms per change
+        with 1,000 instances)."""
+        m = self.m
+        self.known.update(e.url for e in entries)
+        counts: dict[str, list[int]] = {role: [0, 0] for role in self.roles_seen}
+        before, now = self._live, {}
+        for e in entries:
+            counts.setdefault(e.role, [0, 0])[0 if e.live else 1] += 1
+            key, live = (e.role, e.url), 1 if e.live else 0
+            now[key] = live
+            if before.get(key) != live:
+                m.instance_live.labels(e.role, e.url).set(live)
+        self._live = now
+        for role, (live, evicted) in counts.items():
+            m.instances.labels(role, "live").set(live)
+            m.instances.labels(role, "evicted").set(evicted)
+        self.roles_seen.update(counts)
+
+    def models(self, names: Sequence[str]) -> None:
+        self.models_known.update(names)
+
+    def reload(self, source: str, ok: bool) -> None:
+        self.m.reloads.count_local(source, "ok" if ok else "rejected")
+
+    def load(self, in_flight: int, limit: int) -> None:
+        m = self.m
+        m.client_in_flight.set(in_flight)
+        m.busiest_in_flight.set(in_flight)
+        if limit != self._limit:  # the cap changes with a reload, not per request
+            m.in_flight_limit.set(limit)
+            self._limit = limit
+
+    def discovery(self, source: str, up: bool) -> None:
+        self.m.discovery_up.labels(source).set(1 if up else 0)
+
+    def tracing_spans(self, reason: str | None, count: int) -> None:
+        if reason is None:
+            self.m.tracing_spans_exported.inc(count)
+        else:
+            self.m.tracing_spans_dropped.labels(reason).inc(count)
+
+    def refused(self, reason: str) -> None:
+        self.m.refused.labels(reason).inc()
+
+    def ended_by_shutdown(self, count: int) -> None:
+        self.m.ended_by_shutdown.inc(count)
