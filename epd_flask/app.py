@@ -36,9 +36,9 @@ from epd_flask.fleet.sources import Context as SourceContext
 from epd_flask.fleet.sources import build as build_sources
 from epd_flask.observe.metrics import Metrics
 from epd_flask.observe.tracing import TraceSettings, Tracing
-from epd_flask.serving import context
 from epd_flask.serving.admission import AdmissionGate
 from epd_flask.serving.connectors import connector_class
+from epd_flask.serving.context import LogSettings
 from epd_flask.serving.pipeline import Pipeline
 from epd_flask.serving.redisstore import Limiter
 from epd_flask.upstream.tls import TLSFiles
@@ -100,7 +100,8 @@ def build_services(config: ProxyConfig, roster: Roster, generation: int = 0, *,
     traced = TraceSettings.from_config(config)
     svc = Services(config, live, router, transport, pipeline, prober, roster_sync,
                    inflight, Drain(inflight, config.drain_idle_grace, events=events),
-                   events, metrics, discovery,
+                   events, metrics, LogSettings(config.log_format, config.log_upstream),
+                   discovery,
                    keys=KeyRing(config.api_keys, config.key_tenants),
                    url_policy=URLPolicy.build(config.instance_schemes,
                                               config.instance_networks),
@@ -125,7 +126,6 @@ def create_app(config: ProxyConfig | None = None, roster: Roster | None = None, 
         roster, generation = boot_roster(config.roster_path, state)
     app = Flask("epd_flask")
     app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
-    context.configure(config.log_format, config.log_upstream)
     svc = app.extensions[EXTENSION] = build_services(config, roster, generation, seed=seed)
     app.wsgi_app = InFlightMiddleware(  # type: ignore[method-assign]
         BodyDeadline(FastPath(app, app.wsgi_app), config.body_timeout), svc.inflight)

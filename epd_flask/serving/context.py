@@ -3,8 +3,8 @@ line written from it.
 
 Plain data: each upstream call is a ``leg`` block (open at its start, closed however the block
 ends), the pipeline records stage timings, the relay adds what it streamed, and ``finish``
-writes the request's log line (logfmt or JSON, a process setting) and tells the observers,
-exactly once, whichever path ends the request.
+writes the request's log line (logfmt or JSON, as its app's ``LogSettings`` say) and tells
+its app's observers (its ``Events``), exactly once, whichever path ends the request.
 """
 
 from __future__ import annotations
@@ -50,23 +50,23 @@ class Admitted(Protocol):
         """A piece of a streamed answer that carries a usage object (returned unchanged)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class LogSettings:
+    """How an app's requests are logged (EPD_LOG_FORMAT, EPD_LOG_UPSTREAM); each request
+    context carries its app's."""
+
     format: str = "logfmt"
     # One line per upstream call: useful when chasing a bad instance, too chatty for the hot
     # path, so off unless asked for.
     upstream_calls: bool = False
 
+    def __post_init__(self) -> None:
+        if self.format not in LOG_FORMATS:
+            raise ValueError(f"log format must be one of {', '.join(LOG_FORMATS)}, got "
+                             f"{self.format!r}")
 
-SETTINGS = LogSettings()
 
-
-def configure(log_format: str = "logfmt", upstream_calls: bool = False) -> None:
-    if log_format not in LOG_FORMATS:
-        raise ValueError(f"log format must be one of {', '.join(LOG_FORMATS)}, got "
-                         f"{log_format!r}")
-    SETTINGS.format = log_format
-    SETTINGS.upstream_calls = upstream_calls
+DEFAULT_LOG = LogSettings()
 
 
 @dataclass(eq=False)
@@ -137,6 +137,7 @@ class RequestContext:
     #: The app's hooks, which this request fires (a context made outside an app has its own,
     #: which nobody hears).
     events: Events = field(default_factory=Events, repr=False)
+    log: LogSettings = field(default=DEFAULT_LOG, repr=False)
     _logged: bool = False
 
     @property
@@ -226,7 +227,7 @@ class RequestContext:
             self.events.upstream_error.fire(leg.stage, leg.url, error.code)
         if leg.span is not None:
             leg.span.end(leg.status, error)
-        if SETTINGS.upstream_calls:
+        if self.log.upstream_calls:
             ms = round((time.monotonic() - leg.started) * 1000.0, 3)
             outcome = f"error={_logfmt_value(error.message)}" if error else f"status={leg.status}"
             upstream_logger.info(
@@ -266,7 +267,7 @@ class RequestContext:
     def log_line(self) -> str:
         """The request's line: logfmt (built piece by piece, at ~1/3 the cost of a field list
         joined through a generic formatter: it is written for every request) or JSON."""
-        if SETTINGS.format == "json":
+        if self.log.format == "json":
             return json.dumps(self._log_doc(), separators=(",", ":"))
         v = _logfmt_value
         parts = [f"request_id={v(self.request_id)} upstream_id={v(self.upstream_id)} "

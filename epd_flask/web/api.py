@@ -50,7 +50,7 @@ def _context(req: Request, svc: Services) -> RequestContext:
         # either stays at the edge.
         headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
     ctx = RequestContext(rid, req.path, headers, upstream_id=uid, trace=trace,
-                         events=svc.events)
+                         events=svc.events, log=svc.log)
     ctx.client_gone = client_watch(req.environ)
     session_header = svc.live.settings.session_header
     if session_header:

@@ -26,6 +26,7 @@ from epd_flask.fleet.sources import Source
 from epd_flask.observe.metrics import Metrics
 from epd_flask.observe.tracing import Tracing
 from epd_flask.serving.admission import AdmissionGate
+from epd_flask.serving.context import LogSettings
 from epd_flask.serving.pipeline import Pipeline
 from epd_flask.upstream.transport import Transport
 from epd_flask.web.edge import KeyRing
@@ -49,6 +50,8 @@ class Services:
     #: The app's hooks: everything above fires on them, its metrics listen to them.
     events: Events
     metrics: Metrics
+    #: How its requests are logged: each request context carries it.
+    log: LogSettings
     discovery: BootstrapDiscovery | None = None
     keys: KeyRing = field(default_factory=lambda: KeyRing(()))
     url_policy: URLPolicy = field(default_factory=URLPolicy)

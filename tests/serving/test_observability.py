@@ -319,6 +319,23 @@ def test_json_log_lines_and_the_upstream_call_switch(
     assert all(f"request_id={doc['request_id']}" in c for c in calls)
 
 
+def test_each_app_logs_as_its_own_config_says(sim, proxy, caplog) -> None:
+    """Log settings belong to the app, not to whichever app was built last."""
+    p, d = sim("prefill"), sim("decode")
+    as_json = proxy(roster([p], [d]), log_format="json", log_upstream=True)
+    plain = proxy(roster([p], [d]))
+    with caplog.at_level(logging.INFO, logger="epd_flask"):
+        for px in (as_json, plain, as_json):
+            assert requests.post(px.url + "/v1/completions", json=COMPLETION, timeout=10).ok
+    first, second, third = request_lines(caplog)
+    assert json.loads(first)["status"] == json.loads(third)["status"] == 200
+    assert second.startswith("request_id=") and " status=200 " in second
+    upstream = [r.getMessage() for r in caplog.records if r.name == "epd_flask.upstream"]
+    ids = {json.loads(line)["request_id"] for line in (first, third)}
+    assert len(upstream) == 4
+    assert {re.search(r"request_id=(\S+)", c).group(1) for c in upstream} == ids
+
+
 ADMIN_KEY = "admin-key-abcdefghijkl"
 ADMIN = {"X-API-Key": ADMIN_KEY}
 

@@ -12,7 +12,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from epd_flask.serving.context import RequestContext, configure
+from epd_flask.serving.context import LogSettings, RequestContext
 
 
 class Traced:
@@ -91,12 +91,9 @@ def test_repeated_decisions_are_written_once_with_their_count() -> None:
 
 
 def test_the_json_line_carries_the_trace_id_of_a_traced_request() -> None:
+    as_json = LogSettings("json")
     traced = RequestContext("r", "/v1/chat/completions", {}, upstream_id="u",
-                            trace=Traced("0af7651916cd43dd8448eb211c80319c"))
-    plain = RequestContext("r", "/v1/chat/completions", {}, upstream_id="u")
-    configure("json")
-    try:
-        assert json.loads(traced.log_line())["trace_id"] == "0af7651916cd43dd8448eb211c80319c"
-        assert "trace_id" not in json.loads(plain.log_line())
-    finally:
-        configure()
+                            trace=Traced("0af7651916cd43dd8448eb211c80319c"), log=as_json)
+    plain = RequestContext("r", "/v1/chat/completions", {}, upstream_id="u", log=as_json)
+    assert json.loads(traced.log_line())["trace_id"] == "0af7651916cd43dd8448eb211c80319c"
+    assert "trace_id" not in json.loads(plain.log_line())

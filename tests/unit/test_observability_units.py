@@ -23,21 +23,14 @@ from epd_flask.observe.families import Families
 from epd_flask.observe.metrics import Metrics
 from epd_flask.observe.observer import MetricsObserver
 from epd_flask.observe.statuspage import quantile
-from epd_flask.serving import context
-from epd_flask.serving.context import RequestContext
+from epd_flask.serving.context import DEFAULT_LOG, LogSettings, RequestContext
 
 FIVE_STAGES = {"encode": 41.5, "rewrite": 0.2, "prefill": 12.25, "decode_first_byte": 30.0,
                "total": 900.0}
 
 
-@pytest.fixture(autouse=True)
-def _default_log_settings():
-    yield
-    context.configure()
-
-
-def epd_ctx() -> RequestContext:
-    ctx = RequestContext("rid-1", "/v1/chat/completions", {}, upstream_id="up-1")
+def epd_ctx(log: LogSettings = DEFAULT_LOG) -> RequestContext:
+    ctx = RequestContext("rid-1", "/v1/chat/completions", {}, upstream_id="up-1", log=log)
     ctx.instances.update({"encode": "http://e:1", "prefill": "http://p:1", "decode": "http://d:1"})
     ctx.timings.update(FIVE_STAGES)
     ctx.status, ctx.chunks, ctx.bytes_out = 200, 3, 123
@@ -54,8 +47,7 @@ def test_logfmt_line_renders_every_stage_present() -> None:
 
 
 def test_json_line_renders_every_stage_present() -> None:
-    context.configure("json")
-    doc = json.loads(epd_ctx().log_line())
+    doc = json.loads(epd_ctx(LogSettings("json")).log_line())
     assert doc["timings_ms"] == FIVE_STAGES
     assert (doc["request_id"], doc["upstream_id"]) == ("rid-1", "up-1")
     assert doc["instances"]["encode"] == "http://e:1"
