@@ -22,6 +22,7 @@ import gevent.pool
 from epd_flask.control.roles import PREFILL
 from epd_flask.control.roster import Instance
 from epd_flask.core.errors import ProxyError
+from epd_flask.core.logfmt import names, quote
 from epd_flask.core.periodic import Periodic
 from epd_flask.fleet.live import LiveFleet
 from epd_flask.fleet.policies import Placement
@@ -157,17 +158,18 @@ class BootstrapDiscovery:
             return False  # removed from the roster while we asked
         old = self._engines.get(url)
         if old is None:
-            logger.info("prefill %s: Mooncake engines %s", url, ", ".join(engine_ids))
+            logger.info("prefill %s: Mooncake engines %s", url, names(engine_ids, 16))
         elif old.engine_ids != engine_ids:
             logger.warning("prefill %s announced new Mooncake engines %s (it restarted); "
-                           "routing to them from now on", url, ", ".join(engine_ids))
+                           "routing to them from now on", url, names(engine_ids, 16))
         self._engines[url] = Engines(inst.bootstrap_url, engine_ids)
         self._errors.pop(url, None)
         return True
 
     def _note_error(self, url: str, message: str) -> None:
         if self._errors.get(url) != message:
-            logger.warning("prefill %s: Mooncake bootstrap discovery failed: %s", url, message)
+            logger.warning("prefill %s: Mooncake bootstrap discovery failed: %s", url,
+                           quote(message))
         self._errors[url] = message
 
     # -- what requests and readiness see ----------------------------------------------------

@@ -14,6 +14,7 @@ import json
 import time
 from typing import Any
 
+from epd_flask.control.roster import MAX_MODEL_NAME
 from epd_flask.control.roster import MAX_MODELS as MAX_CARDS
 from epd_flask.core.errors import ClientError, NoBackend, NotFound
 from epd_flask.fleet.live import LiveFleet
@@ -47,6 +48,11 @@ def parse_models(doc: Any) -> dict[str, Card]:
         model_id = card.get("id") if isinstance(card, dict) else None
         if not isinstance(model_id, str) or not model_id:
             raise ModelListError("a model card has no string 'id'")
+        # Refused whole, as any unreadable answer: a name skipped would make the proxy answer
+        # 404 for a model the instance serves. Every worker keeps, logs and labels the names.
+        if len(model_id) > MAX_MODEL_NAME:
+            raise ModelListError(f"a model id is {len(model_id)} characters long, more than "
+                                 f"{MAX_MODEL_NAME}")
         cards.setdefault(model_id, card)
     return cards
 

@@ -17,6 +17,7 @@ from typing import Any
 from epd_flask.control import settings
 from epd_flask.control.roster import Instance
 from epd_flask.core.events import Events, FleetEntry
+from epd_flask.core.logfmt import change, quote
 from epd_flask.fleet.enginemetrics import EngineLoad
 
 logger = logging.getLogger(__name__)
@@ -208,14 +209,14 @@ class Registry:
         if cards is None:
             if error != state.models_error:
                 logger.warning("instance %s: cannot read its models (%s); keeping %s", url,
-                               error, "its last known list" if state.cards is not None
+                               quote(error), "its last known list" if state.cards is not None
                                else "it a candidate for any model")
             state.models_error = error
             return
         state.models_error = None
         if cards.keys() != (state.cards or {}).keys() or state.cards is None:
-            logger.info("instance %s (%s) serves %s", url, state.instance.role,
-                        ", ".join(sorted(cards)) or "no model")
+            logger.info("instance %s (%s) serves models: %s", url, state.instance.role,
+                        change(state.cards, cards))
             state.cards = cards
             self._changed(state)
             self._announce()

@@ -11,6 +11,7 @@ under).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -30,15 +31,24 @@ RELOAD_OUTCOMES = ("ok", "rejected")
 HISTOGRAM_PARTS = ("_bucket", "_count", "_sum")
 
 
+def _family(metric: Collector) -> Metric:
+    return next(iter(metric.describe()))  # type: ignore[attr-defined, no-any-return]
+
+
 def kind(metric: Collector) -> str:
     """``counter``, ``gauge`` or ``histogram``."""
-    return str(next(iter(metric.describe())).type)  # type: ignore[attr-defined]
+    return str(_family(metric).type)
+
+
+def family_name(metric: Collector) -> str:
+    """The name of ``metric``'s family (a counter's without ``_total``)."""
+    return str(_family(metric).name)
 
 
 def sample(metric: Collector, part: str = "") -> str:
     """The name ``metric``'s samples are exposed under: a counter's ``_total``, a histogram's
     ``part`` (one of ``HISTOGRAM_PARTS``), a gauge's own name."""
-    family = next(iter(metric.describe()))  # type: ignore[attr-defined]
+    family = _family(metric)
     if (family.type == "histogram") != (part in HISTOGRAM_PARTS):
         raise ValueError(f"{family.name} is a {family.type}: no samples {part!r}")
     return family.name + ("_total" if family.type == "counter" else part)
@@ -83,7 +93,7 @@ class Families:
 
     def __init__(self, registry: CollectorRegistry | None,
                  state: StateDir | None = None) -> None:
-        r = registry
+        self.registry = r = registry
         self.requests = Counter(
             "epd_requests_total", "Client requests answered, by route and HTTP status.",
             ["route", "status"], registry=r)
@@ -212,6 +222,20 @@ class Families:
         self.reloads = ReloadsCollector(state)
         if r is not None:
             r.register(self.reloads)
+
+    def by_model(self) -> tuple[Counter | Histogram, ...]:
+        """The metrics labelled by model alone."""
+        return (self.model_requests, self.model_errors, self.model_first_byte_seconds)
+
+    def forget_model(self, name: str) -> None:
+        """Drop ``name``'s series. Only a registry of the app's own can: prometheus_client
+        cannot remove a series from multiprocess files (the exposition leaves it out
+        instead, see observe/metrics.py)."""
+        if self.registry is None:
+            return
+        for metric in self.by_model():
+            with contextlib.suppress(KeyError):
+                metric.remove(name)
 
     def collectors(self) -> list[Collector]:
         """Every metric above, in declaration order."""

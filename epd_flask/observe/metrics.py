@@ -22,15 +22,15 @@ import os
 
 from prometheus_client import CollectorRegistry, generate_latest, values
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from prometheus_client.multiprocess import MultiProcessCollector
 
 from epd_flask.control import settings
 from epd_flask.control.metricsdir import ENV as MULTIPROC_ENV
 from epd_flask.control.statedir import StateDir
 from epd_flask.core.events import Events
 from epd_flask.observe import mpvalues
-from epd_flask.observe.families import Families
+from epd_flask.observe.families import Families, family_name
 from epd_flask.observe.history import History, Key, Snapshot
+from epd_flask.observe.mpdir import MultiprocessDir
 from epd_flask.observe.observer import MetricsObserver
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -65,6 +65,9 @@ class Metrics:
         self.observer = MetricsObserver(self.families)
         self.observer.listen(events)
         self.history = History(self.snapshot)
+        self._dir = MultiprocessDir(
+            multiprocess_dir or "", [family_name(m) for m in self.families.by_model()],
+            self.observer.model_labels.allowed)
 
     def start(self) -> None:
         self.history.start()
@@ -76,7 +79,7 @@ class Metrics:
         if self._registry is not None:
             return self._registry
         registry = CollectorRegistry()
-        MultiProcessCollector(registry, path=self.multiprocess_dir)
+        registry.register(self._dir)
         registry.register(self.families.reloads)
         return registry
 

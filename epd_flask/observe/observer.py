@@ -3,8 +3,10 @@ hook of ``core.events.Events``, of the same name."""
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from epd_flask.core.events import Events, FleetEntry
@@ -17,11 +19,64 @@ NO_INSTANCE = ""
 NO_MODEL = ""
 # A stage spread over several instances at once (encoder fan-out) is timed as a whole.
 SEVERAL_INSTANCES = "several"
+#: Model names no instance serves any more that still label series: a request racing an
+#: unload, or a scrape right after one, still finds its model's series.
+RECENT_MODELS = 32
+#: At most this many distinct model labels in an app's life: a multiprocess file keeps every
+#: series it was ever given (prometheus_client cannot remove one), so a fleet churning
+#: adapter names would grow it, and every scrape, without end. Later names count under "".
+MAX_MODEL_LABELS = 256
+
+logger = logging.getLogger(__name__)
 
 
 def route_label(path: str) -> str:
     """A free-form path never becomes a label: anything but a completion route is one value."""
     return path if path in KNOWN_ROUTES else OTHER_ROUTE
+
+
+class ModelLabels:
+    """Which model names may label a series (docs/behaviour.md#models): the ones some
+    instance serves now, and the ``RECENT_MODELS`` last ones that left; at most
+    ``MAX_MODEL_LABELS`` distinct names in an app's life. Any other name is ``NO_MODEL``."""
+
+    def __init__(self, recent: int = RECENT_MODELS, most: int = MAX_MODEL_LABELS) -> None:
+        self.served: frozenset[str] = frozenset()
+        self.recent: OrderedDict[str, None] = OrderedDict()
+        self.used: set[str] = set()
+        self._recent_cap = recent
+        self._most = most
+        self._warned = False
+
+    def update(self, names: Iterable[str]) -> list[str]:
+        """Names served now; returns those no longer allowed to label anything."""
+        served = frozenset(names)
+        for gone in sorted(self.served - served):
+            self.recent[gone] = None
+            self.recent.move_to_end(gone)
+        for back in served:
+            self.recent.pop(back, None)
+        self.served = served
+        dropped = []
+        while len(self.recent) > self._recent_cap:
+            dropped.append(self.recent.popitem(last=False)[0])
+        return dropped
+
+    def allowed(self, name: str) -> bool:
+        return name == NO_MODEL or name in self.served or name in self.recent
+
+    def label(self, model: str | None) -> str:
+        if not model or not self.allowed(model):
+            return NO_MODEL
+        if model not in self.used:
+            if len(self.used) >= self._most:
+                if not self._warned:
+                    self._warned = True
+                    logger.warning("metrics: %d model names labelled already; later ones are "
+                                   "counted under model=\"\"", self._most)
+                return NO_MODEL
+            self.used.add(model)
+        return model
 
 
 class MetricsObserver:
@@ -36,8 +91,7 @@ class MetricsObserver:
         # Every URL any roster of this app listed: the only allowed instance labels.
         self.known: set[str] = set()
         self.roles_seen: set[str] = set()
-        # Every model name an instance of this app's rosters served: the model labels.
-        self.models_known: set[str] = set()
+        self.model_labels = ModelLabels()
         self._children: dict[tuple[object, tuple[str, ...]], Any] = {}
         self._limit: int | None = None
         # epd_instance_live as last set, for the instances of the latest fleet event.
@@ -49,7 +103,7 @@ class MetricsObserver:
             hook.add_listener(getattr(self, name))
 
     def model_label(self, model: str | None) -> str:
-        return model if model in self.models_known else NO_MODEL
+        return self.model_labels.label(model)
 
     def _child(self, metric: Any, *labels: str) -> Any:
         key = (metric, labels)
@@ -157,7 +211,10 @@ class MetricsObserver:
         self.roles_seen.update(counts)
 
     def models(self, names: Sequence[str]) -> None:
-        self.models_known.update(names)
+        for name in self.model_labels.update(names):
+            self.m.forget_model(name)
+            for metric in self.m.by_model():
+                self._children.pop((metric, (name,)), None)
 
     def reload(self, source: str, ok: bool) -> None:
         self.m.reloads.count_local(source, "ok" if ok else "rejected")

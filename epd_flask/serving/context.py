@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -24,6 +23,7 @@ from epd_flask.control.settings import LOG_FORMATS
 from epd_flask.core.errors import ProxyError
 from epd_flask.core.events import Events
 from epd_flask.core.headers import new_upstream_id
+from epd_flask.core.logfmt import quote
 from epd_flask.core.tracing import CallTrace, RequestTrace
 from epd_flask.fleet.policies import Decision
 
@@ -229,7 +229,7 @@ class RequestContext:
             leg.span.end(leg.status, error)
         if self.log.upstream_calls:
             ms = round((time.monotonic() - leg.started) * 1000.0, 3)
-            outcome = f"error={_logfmt_value(error.message)}" if error else f"status={leg.status}"
+            outcome = f"error={quote(error.message)}" if error else f"status={leg.status}"
             upstream_logger.info(
                 "request_id=%s upstream_id=%s stage=%s role=%s instance=%s ms=%s %s",
                 self.request_id, self.upstream_id, leg.stage, leg.role, leg.url, ms, outcome)
@@ -269,7 +269,7 @@ class RequestContext:
         joined through a generic formatter: it is written for every request) or JSON."""
         if self.log.format == "json":
             return json.dumps(self._log_doc(), separators=(",", ":"))
-        v = _logfmt_value
+        v = quote
         parts = [f"request_id={v(self.request_id)} upstream_id={v(self.upstream_id)} "
                  f"route={v(self.route)} status={v(self.status)}"]
         if self.trace is not None:
@@ -336,17 +336,3 @@ def compact(decisions: list[str]) -> list[str]:
             out.append(entry if count == 1 else f"{entry}x{count}")
             count = 0
     return out
-
-
-_NEEDS_QUOTES = re.compile(r'[ "=\\]')
-
-
-def _logfmt_value(value: object) -> str:
-    """A logfmt value: plain when it can be, else a JSON string. Numbers are always plain
-    (digits, sign, point, exponent, inf, nan)."""
-    if value.__class__ is int or value.__class__ is float:
-        return str(value)
-    text = "" if value is None else str(value)
-    if text and _NEEDS_QUOTES.search(text) is None and text.isprintable():
-        return text
-    return json.dumps(text)

@@ -24,7 +24,8 @@ from epd_flask.serving.context import RequestContext
 from epd_flask.serving.fields import CHAT_PATH
 from epd_flask.serving.legs import client_watch
 from epd_flask.serving.pipeline import Reply
-from epd_flask.web import edge, validation
+from epd_flask.web import admin, edge, validation
+from epd_flask.web.ops import operator_route
 from epd_flask.web.services import Services, services
 
 bp = Blueprint("api", __name__)
@@ -236,13 +237,16 @@ def models() -> Response:
 @bp.route("/", defaults={"path": ""}, methods=["GET", "POST"])
 @bp.route("/<path:path>", methods=["GET", "POST"])
 def passthrough(path: str) -> Response:
-    """Everything else reaches a decode-side instance with its query string
-    (docs/behaviour.md#edge)."""
+    """Everything else reaches a decode-side instance with its query string; vLLM's operator
+    routes only with the admin key (docs/behaviour.md#edge)."""
     svc = services()
     ctx = _context(request, svc)
     with _accounted(ctx):
         _refuse_other_spellings(request.path)
-        _authorize(request, svc)
+        if operator_route(request.path):
+            admin.authorize(svc.config.admin_api_key)
+        else:
+            _authorize(request, svc)
         raw: bytes | None = None
         model = None
         if request.method == "POST":

@@ -31,6 +31,7 @@ from epd_flask.core import errors
 from epd_flask.core.errors import Overloaded, ProxyError
 from epd_flask.core.events import Events
 from epd_flask.core.headers import REQUEST_ID_HEADER, request_id
+from epd_flask.core.logfmt import quote
 from epd_flask.serving.legs import SOCKET_KEYS
 
 logger = logging.getLogger(__name__)
@@ -250,7 +251,7 @@ class InFlightMiddleware:
         headers = [("Content-Type", content_type), ("Content-Length", str(len(body))),
                    (REQUEST_ID_HEADER, rid), *errors.extra_headers(err)]
         logger.info("request_id=%s route=%s status=%d refused: %s", rid,
-                    environ.get("PATH_INFO"), status, err.code)
+                    quote(environ.get("PATH_INFO")), status, err.code)
         start_response(f"{status} {_REASONS.get(status, 'Error')}", headers)
         return [body]
 

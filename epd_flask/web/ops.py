@@ -1,6 +1,7 @@
 """Operator endpoints: ``/metrics`` (Prometheus), ``/status`` (HTML) and the profiler fan-out
 (``/start_profile``, ``/stop_profile``, an operator action behind the admin key). Thin views
-over metrics.py, statuspage.py and profiling.py.
+over metrics.py, statuspage.py and profiling.py. Also which of vLLM's own routes are an
+operator's (``operator_route``): the pass-through asks for the admin key on those.
 """
 
 from __future__ import annotations
@@ -22,6 +23,28 @@ from epd_flask.web.services import services
 logger = logging.getLogger(__name__)
 
 bp = Blueprint("ops", __name__)
+
+#: vLLM's routes that change an engine's state or report on its control plane
+#: (docs/behaviour.md#edge): adapters loaded or unloaded, caches reset, the engine put to
+#: sleep, paused, rescaled, reconfigured, its weights replaced, requests aborted, arbitrary
+#: methods run on its workers (vLLM's docs/usage/security.md lists them; most need no API
+#: key on vLLM itself). An operator's, like the profiler's; never a client's.
+OPERATOR_PATHS = frozenset({
+    "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
+    "/pause", "/resume", "/is_paused", "/scale_elastic_ep", "/is_scaling_elastic_ep",
+    "/init_weight_transfer_engine", "/update_weights", "/get_world_size", "/abort_requests",
+    "/server_info", "/reset_prefix_cache", "/reset_mm_cache", "/reset_encoder_cache",
+    "/sleep", "/wake_up", "/is_sleeping", "/collective_rpc", "/reconfigure",
+})
+#: vLLM's admin API (``--enable-admin-api``) lives under this prefix.
+OPERATOR_PREFIX = "/v1/admin"
+
+
+def operator_route(path: str) -> bool:
+    """Whether ``path`` (in any spelling an instance would route alike) is an operator's."""
+    canonical = "/" + "/".join(part for part in path.split("/") if part)
+    return canonical in OPERATOR_PATHS or canonical == OPERATOR_PREFIX \
+        or canonical.startswith(OPERATOR_PREFIX + "/")
 
 
 @bp.get("/metrics")

@@ -161,3 +161,40 @@ def test_a_combined_instance_never_sees_the_clients_kv_transfer_params(sim, prox
                       json=completion("hi", max_tokens=2, kv_transfer_params=HANDLES), timeout=10)
     assert r.status_code == 200, r.text
     assert "kv_transfer_params" not in pd.state.requests(1)[0]["body"]
+
+
+OPERATOR_CALLS = [("POST", "/v1/load_lora_adapter"), ("POST", "/v1/unload_lora_adapter"),
+                  ("POST", "/reset_prefix_cache"), ("POST", "/sleep"), ("POST", "/wake_up"),
+                  ("GET", "/is_sleeping"), ("POST", "/collective_rpc"), ("POST", "/pause"),
+                  ("POST", "/resume"), ("POST", "/scale_elastic_ep"),
+                  ("POST", "/update_weights"), ("POST", "/abort_requests"),
+                  ("GET", "/server_info"), ("POST", "/v1/admin/drain"),
+                  ("POST", "//sleep"), ("POST", "/v1//load_lora_adapter/")]
+
+
+@pytest.mark.parametrize(("method", "path"), OPERATOR_CALLS)
+def test_vllms_operator_routes_need_the_admin_key(upstream, method, path) -> None:
+    """A client (even with a serving key) never loads adapters, puts an engine to sleep or
+    runs methods on its workers; the operator does, with the admin key, which the instance
+    never sees (it gets the backend key)."""
+    rec, px = upstream(admin_api_key=ADMIN, api_keys=("sk-client",),
+                       backend_api_key="backend-key")
+    body = {"lora_name": "a", "lora_path": "/tmp/a", "method": "m"}
+    for headers in ({}, {"Authorization": "Bearer sk-client"}, {"X-API-Key": "sk-client"},
+                    {"X-API-Key": ADMIN + "x"}):
+        r = requests.request(method, px.url + path, json=body, headers=headers, timeout=10)
+        assert r.status_code == 403, (headers, r.text)
+        assert r.json()["error"]["code"] in ("missing_admin_key", "invalid_admin_key")
+    assert rec.seen == []
+    for headers in ({"X-API-Key": ADMIN}, {"Authorization": f"Bearer {ADMIN}"}):
+        r = requests.request(method, px.url + path, json=body, headers=headers, timeout=10)
+        assert r.status_code == 200, r.text
+        seen = rec.seen[-1]["headers"]
+        assert seen["authorization"] == "Bearer backend-key" and "x-api-key" not in seen
+    _, plain = upstream()  # without ADMIN_API_KEY the routes are off, as the admin API
+    r = requests.request(method, plain.url + path, json=body, timeout=10)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "admin_api_disabled"
+    # Serving routes beside them are unchanged: the serving key, forwarded as before.
+    r = requests.post(px.url + "/tokenize", json={"prompt": "hi"},
+                      headers={"Authorization": "Bearer sk-client"}, timeout=10)
+    assert r.status_code == 200

@@ -4,6 +4,7 @@ charts, settings, and the multiprocess metrics directory the gunicorn master man
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from epd_flask.core.events import Events
 from epd_flask.observe import plots
 from epd_flask.observe.families import Families
 from epd_flask.observe.metrics import Metrics
-from epd_flask.observe.observer import MetricsObserver
+from epd_flask.observe.observer import MetricsObserver, ModelLabels
 from epd_flask.observe.statuspage import quantile
 from epd_flask.serving.context import DEFAULT_LOG, LogSettings, RequestContext
 
@@ -187,3 +188,21 @@ def test_an_app_whose_metrics_dir_disagrees_with_its_process_is_refused(
     with pytest.raises(ValueError, match="PROMETHEUS_MULTIPROC_DIR set before"):
         Metrics(Events(), multiprocess_dir=str(tmp_path))
     Metrics(Events())  # its own registry: fine
+
+
+def test_model_labels_are_the_names_served_now_and_a_few_recent_ones(
+        caplog: pytest.LogCaptureFixture) -> None:
+    labels = ModelLabels(recent=2, most=4)
+    assert labels.update(["a", "b"]) == []
+    assert [labels.label(m) for m in ("a", "b", "z", None, "")] == ["a", "b", "", "", ""]
+    assert labels.update(["c"]) == []  # a and b left: still labels, for a while
+    assert [labels.label(m) for m in ("a", "b", "c")] == ["a", "b", "c"]
+    assert labels.update(["d"]) == ["a"]  # c left too: the oldest to leave goes
+    assert labels.label("a") == "" and labels.label("c") == "c"
+    assert labels.update(["b", "d"]) == []  # served again: no longer merely recent
+    assert list(labels.recent) == ["c"]
+    with caplog.at_level(logging.WARNING, logger="epd_flask.observe.observer"):
+        assert labels.label("d") == "d"  # the fourth distinct name: the last allowed
+        labels.update(["e", "f"])
+        assert (labels.label("e"), labels.label("f")) == ("", "")
+    assert len(caplog.records) == 1 and "4 model names" in caplog.records[0].getMessage()
