@@ -123,12 +123,13 @@ class RawStream:
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
-def scrape(base_url: str) -> Samples:
-    """GET /metrics and parse it with the Prometheus client's own text parser."""
+def scrape(base_url: str, headers: dict[str, str] | None = None) -> Samples:
+    """GET /metrics (with ``headers``: the metrics or admin key, when the proxy has keys) and
+    parse it with the Prometheus client's own text parser."""
     import requests
     from prometheus_client.parser import text_string_to_metric_families
 
-    resp = requests.get(base_url + "/metrics", timeout=10)
+    resp = requests.get(base_url + "/metrics", timeout=10, headers=headers or {})
     assert resp.status_code == 200, resp.text
     assert resp.headers["Content-Type"].startswith("text/plain")
     return {(s.name, frozenset(s.labels.items())): s.value
@@ -144,3 +145,17 @@ def total(samples: Samples, name: str, **labels: str) -> float:
     """Sum of every series of ``name`` whose labels include ``labels``."""
     want = set(labels.items())
     return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
+
+
+def instances(base_url: str, role: str, live: bool | None = None,
+              headers: dict[str, str] | None = None) -> set[str]:
+    """The URLs of ``role`` a proxy reports (``live``: only those live, or only those
+    evicted), read from ``epd_instance_live`` on /metrics: /health shows counts alone."""
+    import requests
+    from prometheus_client.parser import text_string_to_metric_families
+
+    resp = requests.get(base_url + "/metrics", timeout=10, headers=headers or {})
+    assert resp.status_code == 200, resp.text
+    return {s.labels["instance"] for family in text_string_to_metric_families(resp.text)
+            for s in family.samples if s.name == "epd_instance_live"
+            and s.labels["role"] == role and (live is None or (s.value >= 1) == live)}

@@ -63,9 +63,11 @@ def dashboard_queries(job: str) -> list[tuple[str, str]]:
             for panel in dashboard_panels() for target in panel["targets"]]
 
 
-def derive_config(shipped: str, target: str, rules_file: Path, interval: str) -> str:
-    """The shipped prometheus.yml scraping ``target`` with the given intervals: everything
-    else (job name, rule file, label handling) is the operator's file."""
+def derive_config(shipped: str, target: str, rules_file: Path, interval: str,
+                  credentials_file: Path | None = None) -> str:
+    """The shipped prometheus.yml scraping ``target`` with the given intervals, and with
+    ``credentials_file`` its commented ``authorization`` block as an operator would fill it
+    in: everything else (job name, rule file, label handling) is the operator's file."""
     config = yaml.safe_load(shipped)
     config["global"]["scrape_interval"] = interval
     config["global"]["evaluation_interval"] = interval
@@ -73,13 +75,19 @@ def derive_config(shipped: str, target: str, rules_file: Path, interval: str) ->
     config["rule_files"] = [str(rules_file)]
     [job] = config["scrape_configs"]
     job["static_configs"] = [{"targets": [target]}]
+    if credentials_file is not None:
+        block = ("    # authorization:\n    #   type: Bearer\n"
+                 "    #   credentials_file: /etc/prometheus/epd-flask-metrics.key\n")
+        assert block in shipped, "prometheus.yml should show how to send the metrics key"
+        job["authorization"] = {"type": "Bearer", "credentials_file": str(credentials_file)}
     return yaml.safe_dump(config)
 
 
 class Prometheus:
     """One Prometheus server in its own process group, its data under ``workdir``."""
 
-    def __init__(self, workdir: Path, target: str, interval: str = "1s") -> None:
+    def __init__(self, workdir: Path, target: str, interval: str = "1s",
+                 credentials_file: Path | None = None) -> None:
         exe = binary("prometheus")
         assert exe, "prometheus is not installed, and CI=true requires the tests that use it"
         workdir.mkdir(parents=True, exist_ok=True)
@@ -87,7 +95,7 @@ class Prometheus:
         self.url = f"http://127.0.0.1:{self.port}"
         self.config = workdir / "prometheus.yml"
         self.config.write_text(derive_config(SHIPPED_CONFIG.read_text(), target, RULES,
-                                             interval))
+                                             interval, credentials_file))
         self.log_path = workdir / "prometheus.log"
         self.log = open(self.log_path, "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(

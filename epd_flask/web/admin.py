@@ -61,16 +61,23 @@ def _fleet() -> RosterSync:
     return _authorized().roster_sync
 
 
+def presented_key() -> str:
+    """The key the caller shows: ``X-API-Key`` (or its alias), else a Bearer token ("" for
+    none)."""
+    given = request.headers.get(KEY_HEADER, "") or request.headers.get(ALIAS_KEY_HEADER, "")
+    auth = request.headers.get("Authorization", "")
+    if not given and auth[:len(BEARER)].lower() == BEARER:
+        given = auth[len(BEARER):].strip()
+    return given
+
+
 def authorize(key: str | None) -> None:
     """Operator actions (this API, the profiler switch) need the admin key; without one
     configured they are off."""
     if not key:
         raise Forbidden("the admin API is disabled: set ADMIN_API_KEY to enable it",
                         code="admin_api_disabled")
-    given = request.headers.get(KEY_HEADER, "") or request.headers.get(ALIAS_KEY_HEADER, "")
-    auth = request.headers.get("Authorization", "")
-    if not given and auth[:len(BEARER)].lower() == BEARER:
-        given = auth[len(BEARER):].strip()
+    given = presented_key()
     if not given:
         raise Forbidden(f"the admin API needs the admin key in {KEY_HEADER} (or "
                         f"{ALIAS_KEY_HEADER}) or as a Bearer token", code="missing_admin_key")

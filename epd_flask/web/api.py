@@ -191,12 +191,18 @@ def completion(req: Request, svc: Services) -> Response:
 def health() -> Response:
     svc = services()
     ready, reason = svc.pipeline.ready()
+    # Counts, never URLs: the shipped nginx publishes /health.
+    instances = {role: {state: len(urls) for state, urls in states.items()}
+                 for role, states in svc.registry.snapshot().items()}
     doc = {"status": "ok", "ready": ready, "reason": reason,
-           "connector": svc.live.settings.connector, "instances": svc.registry.snapshot(),
+           "connector": svc.live.settings.connector, "instances": instances,
            "counters": dict(svc.pipeline.counters),
            "load": svc.inflight.snapshot()}
     if svc.discovery is not None:
-        doc["bootstrap"] = svc.discovery.snapshot()
+        found = svc.discovery.snapshot().values()
+        doc["bootstrap"] = {"prefills": len(found),
+                            "engines": sum(len(e["engine_ids"]) for e in found),
+                            "stale": sum(not e["current"] for e in found)}
     return Response(json.dumps(doc), status=200, content_type="application/json")
 
 

@@ -1,24 +1,27 @@
-"""Operator endpoints: ``/metrics`` (Prometheus), ``/status`` (HTML) and the profiler fan-out
-(``/start_profile``, ``/stop_profile``, an operator action behind the admin key). Thin views
-over metrics.py, statuspage.py and profiling.py. Also which of vLLM's own routes are an
+"""Operator endpoints: ``/metrics`` (Prometheus), ``/status`` (HTML), ``/debug/worker``, all
+behind the metrics key once any key is configured (``authorize_reader``), and the profiler
+fan-out (``/start_profile``, ``/stop_profile``, an operator action behind the admin key). Thin
+views over metrics.py, statuspage.py and profiling.py. Also which of vLLM's own routes are an
 operator's (``operator_route``): the pass-through asks for the admin key on those.
 """
 
 from __future__ import annotations
 
 import gc
+import hashlib
+import hmac
 import json
 import logging
 import os
 
 from flask import Blueprint, Response, request
 
-from epd_flask.core.errors import NotFound
+from epd_flask.core.errors import Forbidden, NotFound, Unauthorized
 from epd_flask.core.events import FleetEntry
 from epd_flask.core.headers import REQUEST_ID_HEADER, request_id, upstream_headers
 from epd_flask.observe import metrics, procstats, profiling, statuspage
 from epd_flask.web import admin
-from epd_flask.web.services import services
+from epd_flask.web.services import Services, services
 
 logger = logging.getLogger(__name__)
 
@@ -47,15 +50,42 @@ def operator_route(path: str) -> bool:
         or canonical.startswith(OPERATOR_PREFIX + "/")
 
 
+def authorize_reader(svc: Services) -> None:
+    """What the operator's read-only views show (every instance URL, the fleet's state) is
+    not a client's to see: once any key is configured they need the metrics key, which
+    Prometheus sends as a Bearer token, or the admin key; never a serving key. With no key
+    configured at all (a proxy on a private network, a developer's), they stay open."""
+    config = svc.config
+    keys = [k for k in (config.metrics_key, config.admin_api_key) if k]
+    if not keys:
+        if svc.keys.enabled:
+            raise Forbidden("/metrics and /status are closed while serving keys are "
+                            "configured: set EPD_METRICS_KEY (or ADMIN_API_KEY) to read them",
+                            code="metrics_key_unset")
+        return
+    given = admin.presented_key().encode()
+    if not given:
+        raise Unauthorized("this endpoint needs the metrics key as a Bearer token",
+                           code="missing_metrics_key")
+    valid = False
+    for key in keys:  # every key compared: the time taken names none of them
+        valid |= hmac.compare_digest(hashlib.sha256(given).digest(),
+                                     hashlib.sha256(key.encode()).digest())
+    if not valid:
+        raise Unauthorized("the metrics key is not valid", code="invalid_metrics_key")
+
+
 @bp.get("/metrics")
 def prometheus_metrics() -> Response:
-    return Response(services().metrics.exposition(), status=200,
-                    content_type=metrics.CONTENT_TYPE)
+    svc = services()
+    authorize_reader(svc)
+    return Response(svc.metrics.exposition(), status=200, content_type=metrics.CONTENT_TYPE)
 
 
 @bp.get("/status")
 def status_page() -> Response:
     svc = services()
+    authorize_reader(svc)
     history = svc.metrics.history
     now = svc.metrics.snapshot()
     ok, reason = svc.pipeline.ready()
@@ -73,6 +103,7 @@ def debug_worker() -> Response:
     svc = services()
     if not svc.config.debug_endpoints:
         raise NotFound("not found")
+    authorize_reader(svc)
     peers = procstats.tcp_peers()
     origins = {s.instance.url.split("://", 1)[-1].split("/", 1)[0]: s.instance.url
                for s in svc.registry.states()}
@@ -81,6 +112,8 @@ def debug_worker() -> Response:
            "rss_bytes": procstats.rss_bytes(), "tcp_connections": sum(peers.values()),
            "upstream_connections": sum(upstream.values()), "upstream": upstream,
            "load": svc.inflight.snapshot(), "gc_frozen": gc.get_freeze_count()}
+    if svc.discovery is not None:  # Mooncake engines per prefill (/health shows counts)
+        doc["bootstrap"] = svc.discovery.snapshot()
     return Response(json.dumps(doc), status=200, content_type="application/json")
 
 

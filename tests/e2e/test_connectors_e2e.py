@@ -44,8 +44,10 @@ def fleet(procs, connector: str, p_args: tuple[str, ...] = (), d_args: tuple[str
         prefill["kv_zmq_addr"], decode["kv_zmq_addr"] = "127.0.0.1:21001", "127.0.0.1:22001"
     p = procs["sim"]("prefill", *p_args)
     d = procs["sim"]("decode", *d_args)
+    # /debug/worker: a restarted prefill's new engine ids, as this worker knows them.
     gw = procs["gunicorn"](roster([(p, prefill)], [(d, decode)], connector=connector,
-                                  **settings), "-k", "gevent")
+                                  **settings), "-k", "gevent",
+                           env={"EPD_DEBUG_ENDPOINTS": "1"})
     wait_ready(gw)
     return p, d, gw
 
@@ -185,6 +187,6 @@ def prefill_restarts(p, d, gw, bport: int, tmp_path) -> None:
 
 
 def rediscovered(gw, prefill_url: str, engine_id: str) -> None:
-    eventually(lambda: requests.get(gw.url + "/health", timeout=5, headers=CLOSE).json()[
+    eventually(lambda: requests.get(gw.url + "/debug/worker", timeout=5, headers=CLOSE).json()[
         "bootstrap"][prefill_url]["engine_ids"] == [engine_id], READY_TIMEOUT, interval=0.05,
         what=f"{prefill_url} rediscovered as {engine_id}")

@@ -12,11 +12,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import requests
 import yaml
 
 from tests import rosters
-from tests.helpers import eventually, free_port
+from tests.helpers import eventually, free_port, instances
 
 pytestmark = [pytest.mark.e2e,
               pytest.mark.skipif(shutil.which("sh") is None, reason="no POSIX shell")]
@@ -37,8 +36,7 @@ def swap_in(path: Path, doc: dict) -> None:
 
 
 def decode_urls(url: str) -> set[str]:
-    health = requests.get(url + "/health", timeout=5).json()["instances"]["decode"]
-    return set(health["live"]) | set(health["evicted"])
+    return instances(url, "decode")
 
 
 def test_reloader_sidecar_reloads_gunicorn_on_roster_change(procs, tmp_path: Path) -> None:

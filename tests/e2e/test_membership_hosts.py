@@ -135,7 +135,8 @@ def test_an_etcd_outage_changes_nothing_and_later_writes_reach_every_worker(
         for h in hosts:
             assert requests.post(h.url + "/v1/chat/completions", json=CHAT, timeout=10).ok
         gevent.sleep(0.2)
-    metrics = requests.get(hosts[0].url + "/metrics", timeout=5).text
+    metrics = requests.get(hosts[0].url + "/metrics", headers={"X-API-Key": KEY},
+                           timeout=5).text
     assert 'epd_discovery_up{source="etcd"} 0.0' in metrics
     etcd.start()
     etcd.put_record(PREFIX, "d2", {"role": "prefill_decode", "url": d2.url})

@@ -1,7 +1,8 @@
 """The shipped rules and dashboard against a real Prometheus (Debian's package) scraping real
-gunicorn every second: after a short load with retries, refusals, failures and an eviction,
-every recording rule and every dashboard query has data, and the alerts see the eviction and
-the shedding under the labels a real scrape gives them."""
+gunicorn every second, with the metrics key as the shipped configuration shows: after a short
+load with retries, refusals, failures and an eviction, every recording rule and every
+dashboard query has data, and the alerts see the eviction and the shedding under the labels a
+real scrape gives them."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ pytestmark = [
 
 JOB = "epd-flask"
 DATA_TIMEOUT = 20.0
+METRICS_KEY = "prometheus-scrape-key-0123456789"
 CHAT = chat(max_tokens=8, temperature=0)
 
 
@@ -43,8 +45,13 @@ def test_every_recording_rule_and_dashboard_query_has_data(procs, tmp_path: Path
     d1 = procs["sim"]("decode", "--token-delay-ms", "20", "--output-tokens", "8")
     d2 = procs["sim"]("decode", "--token-delay-ms", "20", "--output-tokens", "8")
     roster = rosters.roster([p], [d1, d2], decode_retries=1, probe_interval=1, fail_threshold=1)
-    gw = procs["gunicorn"](roster, workers=1, env={"EPD_MAX_IN_FLIGHT": "4"})
-    server = prom.Prometheus(tmp_path / "prometheus", gw.url.removeprefix("http://"))
+    gw = procs["gunicorn"](roster, workers=1, env={"EPD_MAX_IN_FLIGHT": "4",
+                                                   "EPD_METRICS_KEY": METRICS_KEY})
+    assert requests.get(gw.url + "/metrics", timeout=10).status_code == 401
+    key_file = tmp_path / "epd-flask-metrics.key"  # Prometheus sends it as a bearer token
+    key_file.write_text(METRICS_KEY + "\n")
+    server = prom.Prometheus(tmp_path / "prometheus", gw.url.removeprefix("http://"),
+                             credentials_file=key_file)
     try:
         # Scraped before the load, so rates and quantiles cover it.
         eventually(lambda: server.query(f'up{{job="{JOB}"}} == 1'), DATA_TIMEOUT,

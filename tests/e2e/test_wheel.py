@@ -174,8 +174,8 @@ def test_the_wheel_serves_reloads_and_stops_outside_the_checkout(tmp_path: Path,
         reloaded = epd_flask_cmd("--pidfile", str(pidfile), "reload")
         assert reloaded.returncode == 0, reloaded.stderr
         assert f"pid {server.pid}" in reloaded.stdout
-        eventually(lambda: sorted(health(url).get("instances", {}).get("decode", {})
-                                  .get("live", [])) == sorted([decode.url, decode2.url]),
+        eventually(lambda: health(url).get("instances", {}).get("decode") == {"live": 2,
+                                                                              "evicted": 0},
                    START_TIMEOUT, interval=0.05, what="the new decode in /health")
         eventually(lambda: children(server.pid) and not children(server.pid) & workers,
                    START_TIMEOUT, interval=0.05, what="old worker replaced")

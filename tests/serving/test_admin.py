@@ -144,7 +144,7 @@ def test_conflicts_are_409_and_bad_fields_422(fleet) -> None:
 
 
 def reloads(px: Any) -> dict[str, float]:
-    samples = scrape(px.url)
+    samples = scrape(px.url, AUTH)
     return {f"{s}/{o}": sample(samples, "epd_roster_reloads_total", source=s, outcome=o)
             for s in ("admin", "sighup") for o in ("ok", "rejected")}
 

@@ -68,7 +68,9 @@ def test_mooncake_readiness_is_503_until_every_prefill_is_discovered(sim, proxy)
     px.services.start()
     assert eventually(lambda: ready(px))
     health = requests.get(px.url + "/health", timeout=5).json()
-    assert health["bootstrap"][p2.url]["engine_ids"] == [p2.state.engine_id]
+    assert health["bootstrap"] == {"prefills": 2, "engines": 2, "stale": 0}
+    assert p2.url not in json.dumps(health)  # counts, never URLs (nginx publishes /health)
+    assert discovery.snapshot()[p2.url]["engine_ids"] == [p2.state.engine_id]
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -139,7 +141,7 @@ def test_mooncake_prefill_restarted_with_new_engine_ids_is_rediscovered(sim, pro
         assert restarted.state.engine_id != old_engine
 
         def rediscovered() -> bool:
-            doc = requests.get(px.url + "/health", timeout=5).json()["bootstrap"]
+            doc = px.services.discovery.snapshot()
             return doc[p.url]["engine_ids"] == [restarted.state.engine_id]
 
         assert eventually(rediscovered)

@@ -77,7 +77,7 @@ def test_every_documented_metric_moves(sim, proxy, tmp_path: Path, monkeypatch) 
 
     def step() -> None:
         nonlocal last
-        now = scrape(px.url)
+        now = scrape(px.url, {"X-API-Key": KEY})
         seen.update(moved(last or {}, now, 0.0 if last is None else None))
         last = now
 

@@ -68,7 +68,7 @@ def test_an_instance_registered_in_etcd_is_routed_and_listed_with_its_source(
     # Each source's state, in the listing and on the status page.
     doc = requests.get(px.url + "/instances", headers={"X-API-Key": KEY}, timeout=5).json()
     assert [(s["source"], s["up"], s["members"]) for s in doc["sources"]] == [("etcd", True, 2)]
-    page = requests.get(px.url + "/status", timeout=5).text
+    page = requests.get(px.url + "/status", headers={"X-API-Key": KEY}, timeout=5).text
     assert "<h2>Membership sources</h2>" in page
     assert re.search(r"<td class=\"l\">etcd</td><td class=\"l live\">UP</td>", page)
 

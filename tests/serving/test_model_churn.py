@@ -132,12 +132,13 @@ def test_adapters_churned_through_the_proxy_leave_metrics_bounded(sim, proxy) ->
             r = requests.post(px.url + "/v1/completions", timeout=10,
                               json={"model": name, "prompt": "hi", "max_tokens": 1})
             assert r.status_code == 200, r.text
-        assert model_labels(scrape(px.url)) >= set(names)
+        assert model_labels(scrape(px.url, admin)) >= set(names)
         for name in names:
             assert requests.post(px.url + "/v1/unload_lora_adapter", headers=admin,
                                  json={"lora_name": name}, timeout=10).status_code == 200
         px.services.prober.probe_all()
-        sizes.append(len(requests.get(px.url + "/metrics", timeout=10).content))
+        sizes.append(len(requests.get(px.url + "/metrics", headers=admin,
+                                      timeout=10).content))
         # Of the 40 unloaded, the last RECENT_MODELS still label their series.
-        assert model_labels(scrape(px.url)) - {"", "base"} == set(names[-RECENT_MODELS:])
+        assert model_labels(scrape(px.url, admin)) - {"", "base"} == set(names[-RECENT_MODELS:])
     assert max(sizes) <= min(sizes) * 1.1, sizes

@@ -224,7 +224,8 @@ def test_evicted_decode_is_skipped_by_the_passive_signal(sim, proxy) -> None:
         assert requests.post(px.url + "/v1/completions", json=COMPLETION, timeout=10).ok
     assert good.state.stats()["completions"] == 4
     health = requests.get(px.url + "/health", timeout=5).json()
-    assert health["instances"]["decode"]["evicted"] == [f"http://127.0.0.1:{port}"]
+    assert health["instances"]["decode"] == {"live": 1, "evicted": 1}
+    assert px.services.registry.snapshot()["decode"]["evicted"] == [f"http://127.0.0.1:{port}"]
 
 
 def test_prefill_rejecting_the_request_is_relayed_and_decode_not_called(sim, proxy) -> None:
@@ -334,7 +335,10 @@ def test_health_and_readiness(sim, proxy) -> None:
     px = proxy(roster([p], [d]))
     health = requests.get(px.url + "/health", timeout=5)
     assert health.status_code == 200
-    assert health.json()["instances"]["decode"]["live"] == [d.url]
+    # Counts per role and state, never a URL: the shipped nginx publishes /health.
+    assert health.json()["instances"] == {"prefill": {"live": 1, "evicted": 0},
+                                          "decode": {"live": 1, "evicted": 0}}
+    assert d.url not in health.text and p.url not in health.text
     # Not ready until an instance of each needed role has answered a probe.
     assert requests.get(px.url + "/ready", timeout=5).status_code == 503
     px.services.prober.probe_all()
