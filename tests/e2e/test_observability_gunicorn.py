@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import json
 import re
+import signal
 import time
 
 import gevent.pool
@@ -94,3 +95,33 @@ def test_one_scrape_sums_both_workers_and_counts_every_request_once(procs) -> No
     assert chunks == sum(doc["chunks"] for doc in streamed)
     print(f"\n50 requests in {elapsed * 1000:.0f} ms; per worker {dict(per_worker)}; "
           f"client statuses {dict(sent)}; streamed chunks {chunks:.0f}")
+
+
+def test_reloads_fold_exited_workers_files_and_keep_every_count(procs, tmp_path) -> None:
+    """Every reload replaces both workers; their files are folded into one archive per kind,
+    so the directory (and what a scrape reads) stays the size of the live workers', and the
+    counters keep their sums across generations."""
+    metrics_dir = tmp_path / "metrics"
+    p, d = procs["sim"]("prefill"), procs["sim"]("decode")
+    gw = procs["gunicorn"](roster([p], [d]), workers=2,
+                           env={"PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)})
+    generations, per_generation, files = 5, 6, []
+    for _ in range(generations):
+        assert eventually(lambda: len(gw.workers()) == 2, 30)
+        for _ in range(per_generation):
+            r = requests.post(gw.url + "/v1/completions", json=COMPLETION, timeout=30)
+            assert r.status_code == 200, r.text
+        old = gw.workers()
+        gw.proc.send_signal(signal.SIGHUP)
+        assert eventually(lambda old=old: not gw.workers() & old, 30), gw.tail()
+        scrape(gw.url)  # any worker's scrape folds what the exited ones left
+        files.append(sorted(p.name for p in metrics_dir.glob("*.db")))
+    metrics = scrape(gw.url)
+    assert sample(metrics, "epd_requests_total", route="/v1/completions",
+                  status="200") == generations * per_generation
+    # Two live workers' files (a counter, a histogram and three live gauges each) and the
+    # two archives, after the first reload as after the fifth.
+    assert all(len(names) <= 2 * 5 + 2 for names in files), files
+    assert {"counter_archive.db", "histogram_archive.db"} <= set(files[-1])
+    live = {str(pid) for pid in gw.workers()}
+    assert {n.rsplit("_", 1)[1][:-3] for n in files[-1]} <= live | {"archive"}

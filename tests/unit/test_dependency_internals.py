@@ -4,10 +4,11 @@ change would otherwise go unnoticed.
 setup.cfg bounds each of these dependencies below its next major version (prometheus_client,
 a 0.x package, below its next minor); this is what to run against a new release before moving
 a bound. Parts checked elsewhere, through behaviour: prometheus_client's multiprocess value
-class (tests/unit/test_mpvalues.py), the gevent worker's ``timeout_ctx`` and ``handle`` and its
-class swap after ``post_fork`` (tests/e2e/test_slow_clients.py, both worker classes), the
-client socket's class swap (tests/unit/test_worker_socket.py), urllib3's liveness check
-(tests/unit/test_pools_liveness.py) and the pool sweep (tests/serving/test_keepalive.py).
+class (tests/unit/test_mpvalues.py) and file format (tests/unit/test_mpdir.py), the gevent
+worker's ``timeout_ctx`` and ``handle`` and its class swap after ``post_fork``
+(tests/e2e/test_slow_clients.py, both worker classes), the client socket's class swap
+(tests/unit/test_worker_socket.py), urllib3's liveness check (tests/unit/test_pools_liveness.py)
+and the pool sweep (tests/serving/test_keepalive.py).
 """
 
 from __future__ import annotations
