@@ -96,7 +96,8 @@ def test_no_discovered_engine_is_a_503_naming_the_role() -> None:
 def test_ready_only_when_every_live_prefill_is_discovered() -> None:
     found = discovery((P1, ("a0",)))
     ok, reason = found.ready()
-    assert not ok and P2.url in reason
+    assert not ok and reason == "Mooncake bootstrap of 1 live prefill(s) not discovered yet"
+    assert P2.url not in reason  # /ready answers anyone
     for _ in range(3):
         found.live.registry.record_failure(P2.url, "down")  # evicted: no longer awaited
     assert found.ready() == (True, "ok")
