@@ -86,7 +86,7 @@ class Events:
     models: EventHook[[Sequence[str]]]
     #: A roster reload was applied (``ok``) or refused (not ``ok``): (source, ok); the source
     #: is ``admin`` for an admin API change (the master's SIGHUP reloads are tallied in the
-    #: state directory, see observe/definitions.py).
+    #: state directory, see observe/families.py).
     reload: EventHook[[str, bool]]
     #: This worker's client requests in flight changed: (in flight, its cap).
     load: EventHook[[int, int]]

@@ -230,7 +230,7 @@ class Families:
     def forget_model(self, name: str) -> None:
         """Drop ``name``'s series. Only a registry of the app's own can: prometheus_client
         cannot remove a series from multiprocess files (the exposition leaves it out
-        instead, see observe/metrics.py)."""
+        instead, see observe/mpdir.py)."""
         if self.registry is None:
             return
         for metric in self.by_model():
