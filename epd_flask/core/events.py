@@ -2,12 +2,13 @@
 ``EventHook`` per event.
 
 Each app builds its own ``Events`` (``app.build_services``) and hands it to everything that
-fires: the request context, registry, router, prober, KV-event readers, roster sync,
-membership sources, in-flight counter and drain; its observers (observe/observer.py) listen
-to it. Two apps in one process never hear each other's events (Locust hangs its hooks on its
-``Environment``, Flask sends its signals with ``sender=app``). Each event is declared once,
-below, with the arguments its listeners get. Nothing on the hot path imports a metrics
-library, and with nobody listening a hook costs one empty loop. Imports nothing of ours.
+fires: the request context (its legs, retries and routing decisions), registry, prober,
+KV-event readers, roster sync, membership sources, in-flight counter and drain; its observers
+(observe/observer.py) listen to it. Two apps in one process never hear each other's events
+(Locust hangs its hooks on its ``Environment``, Flask sends its signals with ``sender=app``).
+Each event is declared once, below, with the arguments its listeners get. Nothing on the hot
+path imports a metrics library, and with nobody listening a hook costs one empty loop.
+Imports nothing of ours.
 """
 
 from __future__ import annotations
@@ -64,8 +65,8 @@ class Events:
     upstream_opened: EventHook[[str, str]]
     #: An upstream call closed, whichever way: (role, url).
     upstream_closed: EventHook[[str, str]]
-    #: A routing decision: (role, policy, outcome, url), outcome as ``fleet/policies.py``
-    #: names.
+    #: A routing decision recorded on the request (``RequestContext.decided``): (role, policy,
+    #: outcome, url), outcome as ``fleet/policies.py`` names.
     routed: EventHook[[str, str, str, str]]
     #: A prefill answered with its usage: (url, prompt tokens, of them served from its prefix
     #: cache).
