@@ -3,9 +3,10 @@
 
 Each app builds its own ``Events`` (``app.build_services``) and hands it to everything that
 fires: the request context (its legs, retries and routing decisions), registry, prober,
-KV-event readers, roster sync, membership sources, in-flight counter and drain; its observers
-(observe/observer.py) listen to it. Two apps in one process never hear each other's events
-(Locust hangs its hooks on its ``Environment``, Flask sends its signals with ``sender=app``).
+KV-event readers, roster sync, membership sources, in-flight counter, drain and admission;
+its observers (observe/observer.py) listen to it. Two apps in one process never hear each
+other's events (Locust hangs its hooks on its ``Environment``, Flask sends its signals with
+``sender=app``).
 Each event is declared once, below, with the arguments its listeners get. Nothing on the hot
 path imports a metrics library, and with nobody listening a hook costs one empty loop.
 Imports nothing of ours.
@@ -103,6 +104,22 @@ class Events:
     #: Finished spans of this worker's traces went to the collector (reason None) or were
     #: lost (why, as observe/tracing.py names it): (reason, count).
     tracing_spans: EventHook[[str | None, int]]
+    #: Admission's tenants, each with its class, whenever the roster changes while admission
+    #: is on (docs/behaviour.md#admission): ((tenant, priority), ...), ``default`` among them.
+    admission_tenants: EventHook[[Sequence[tuple[str, str]]]]
+    #: A request began (+1) or stopped (-1) waiting for capacity: (tenant, priority, change).
+    admission_queue: EventHook[[str, str, int]]
+    #: Admission let a request through: (tenant, priority, seconds it waited in the queue;
+    #: None when it went out at once).
+    admission_admitted: EventHook[[str, str, float | None]]
+    #: Admission refused a request, or its client left the queue: (tenant, reason as
+    #: ``serving/admission.py``'s ``REASONS`` names it).
+    admission_rejected: EventHook[[str, str]]
+    #: A request's tokens were counted when it ended (its usage, else the estimate):
+    #: (tenant, tokens).
+    admission_tokens: EventHook[[str, int]]
+    #: Whether the shared rate-limit store answered its latest call (None: no store).
+    admission_store: EventHook[[bool | None]]
 
     def __init__(self) -> None:
         for name in HOOKS:

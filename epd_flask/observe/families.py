@@ -24,6 +24,10 @@ from epd_flask.observe import tracing
 # From a millisecond proxy step to a multi-minute generation.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                    10.0, 30.0, 60.0, 120.0, 300.0, 600.0, float("inf"))
+#: A wait for capacity: up to ``admission.queue_timeout`` (30 s by default), coarser than
+#: LATENCY_BUCKETS because each bucket is a series per tenant.
+WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+                float("inf"))
 RELOAD_SOURCES = ("sighup", "admin")
 RELOAD_OUTCOMES = ("ok", "rejected")
 
@@ -85,6 +89,59 @@ class ReloadsCollector(Collector):
             for outcome in RELOAD_OUTCOMES:
                 family.add_metric([source, outcome], tally.get(f"{source}/{outcome}", 0))
         yield family
+
+
+class AdmissionFamilies:
+    """Admission's metrics (docs/behaviour.md#admission), made when admission is first on: a
+    proxy without it exposes none of them. Tenant labels are the roster's (at most 256 and
+    ``default``, see observe/observer.py's ``TenantLabels``)."""
+
+    def __init__(self, registry: CollectorRegistry | None) -> None:
+        r = registry
+        self.queue_depth = Gauge(
+            "epd_admission_queue_depth", "Requests waiting for capacity right now, by tenant "
+            "and its priority (all workers).", ["tenant", "priority"],
+            multiprocess_mode="livesum", registry=r)
+        self.admitted = Counter(
+            "epd_admission_admitted_total", "Completion requests admission let through, by "
+            "tenant (at once or after a wait).", ["tenant"], registry=r)
+        self.wait_seconds = Histogram(
+            "epd_admission_wait_seconds", "How long the requests that waited for capacity "
+            "waited before they went out, by tenant and its priority.", ["tenant", "priority"],
+            buckets=WAIT_BUCKETS, registry=r)
+        self.rejected = Counter(
+            "epd_admission_rejected_total", "Completion requests admission refused, by tenant "
+            "and reason: rate_limit_requests, rate_limit_tokens (429), too_large (429, over "
+            "the tokens limit on its own), queue_full, queue_timeout (503), client_gone (the "
+            "client left while it waited).", ["tenant", "reason"], registry=r)
+        self.tokens = Counter(
+            "epd_admission_tokens_total", "Tokens of the requests admission let through (the "
+            "answer's usage, prompt plus completion; a stream without one: its estimate), by "
+            "tenant.", ["tenant"], registry=r)
+        self._registry = r
+        self.store_up: Gauge | None = None
+
+    def store(self) -> Gauge:
+        """``epd_admission_store_up``, made when a shared store is first configured: a
+        multiprocess gauge without labels writes its 0 the moment it is made, which would
+        say that a store nobody configured is down."""
+        if self.store_up is None:
+            self.store_up = Gauge(
+                "epd_admission_store_up", "1 while the shared rate-limit store "
+                "(admission.store) answered its latest call, 0 while each host counts on its "
+                "own (the lowest of the live workers).", multiprocess_mode="livemin",
+                registry=self._registry)
+        return self.store_up
+
+    def forget_store(self) -> None:
+        """The roster no longer names a store: its series goes from a registry of the app's
+        own (multiprocess files cannot lose one; the observer leaves it at 1)."""
+        if self.store_up is not None and self._registry is not None:
+            self._registry.unregister(self.store_up)
+            self.store_up = None
+
+    def collectors(self) -> list[Collector]:
+        return [v for v in vars(self).values() if isinstance(v, Counter | Gauge | Histogram)]
 
 
 class Families:
@@ -222,6 +279,13 @@ class Families:
         self.reloads = ReloadsCollector(state)
         if r is not None:
             r.register(self.reloads)
+        #: None until admission is first on (``admission_on``).
+        self.admission: AdmissionFamilies | None = None
+
+    def admission_on(self) -> AdmissionFamilies:
+        if self.admission is None:
+            self.admission = AdmissionFamilies(self.registry)
+        return self.admission
 
     def by_model(self) -> tuple[Counter | Histogram, ...]:
         """The metrics labelled by model alone."""
@@ -238,6 +302,7 @@ class Families:
                 metric.remove(name)
 
     def collectors(self) -> list[Collector]:
-        """Every metric above, in declaration order."""
-        return [v for v in vars(self).values()
-                if isinstance(v, Counter | Gauge | Histogram | ReloadsCollector)]
+        """Every metric above, in declaration order (admission's once it is on)."""
+        found: list[Collector] = [v for v in vars(self).values()
+                                  if isinstance(v, Counter | Gauge | Histogram | ReloadsCollector)]
+        return found + (self.admission.collectors() if self.admission is not None else [])

@@ -9,8 +9,10 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from epd_flask.control.roster import MAX_TENANTS
 from epd_flask.core.events import Events, FleetEntry
 from epd_flask.observe.families import Families
+from epd_flask.serving.admission import REASONS
 from epd_flask.serving.context import FIRST_BYTE, TOTAL, RequestContext
 
 KNOWN_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
@@ -26,6 +28,10 @@ RECENT_MODELS = 32
 #: series it was ever given (prometheus_client cannot remove one), so a fleet churning
 #: adapter names would grow it, and every scrape, without end. Later names count under "".
 MAX_MODEL_LABELS = 256
+#: At most this many distinct tenant labels in an app's life: a roster names at most
+#: MAX_TENANTS, but reloads may rename them, and a multiprocess file keeps every series it
+#: was given. Later names count under "".
+MAX_TENANT_LABELS = 4 * MAX_TENANTS
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +85,27 @@ class ModelLabels:
         return model
 
 
+class TenantLabels:
+    """Which tenant names may label a series: the gate names only the roster's tenants and
+    ``default`` (docs/behaviour.md#admission); this bounds what a life of reloads adds up to."""
+
+    def __init__(self, most: int = MAX_TENANT_LABELS) -> None:
+        self.used: set[str] = set()
+        self._most = most
+        self._warned = False
+
+    def label(self, tenant: str) -> str:
+        if tenant not in self.used:
+            if len(self.used) >= self._most:
+                if not self._warned:
+                    self._warned = True
+                    logger.warning("metrics: %d tenant names labelled already; later ones are "
+                                   "counted under tenant=\"\"", self._most)
+                return ""
+            self.used.add(tenant)
+        return tenant
+
+
 class MetricsObserver:
     """The per-request updates go to children looked up once per label set and kept here:
     prometheus_client's ``labels()`` checks and converts the values and takes a lock on every
@@ -92,6 +119,7 @@ class MetricsObserver:
         self.known: set[str] = set()
         self.roles_seen: set[str] = set()
         self.model_labels = ModelLabels()
+        self.tenant_labels = TenantLabels()
         self._children: dict[tuple[object, tuple[str, ...]], Any] = {}
         self._limit: int | None = None
         # epd_instance_live as last set, for the instances of the latest fleet event.
@@ -241,3 +269,48 @@ class MetricsObserver:
 
     def ended_by_shutdown(self, count: int) -> None:
         self.m.ended_by_shutdown.inc(count)
+
+    # -- admission (docs/behaviour.md#admission) -------------------------------------------
+
+    def admission_tenants(self, tenants: Sequence[tuple[str, str]]) -> None:
+        """Admission is on: its metrics exist from now, each tenant's counters and queue at 0
+        (an alert's increase() sees a tenant's first refusal)."""
+        if not tenants:
+            return
+        a, child = self.m.admission_on(), self._child
+        for name, priority in tenants:
+            tenant = self.tenant_labels.label(name)
+            child(a.queue_depth, tenant, priority)
+            child(a.admitted, tenant)
+            child(a.tokens, tenant)
+            for reason in REASONS:
+                child(a.rejected, tenant, reason)
+
+    def admission_queue(self, tenant: str, priority: str, change: int) -> None:
+        self._child(self.m.admission_on().queue_depth, self.tenant_labels.label(tenant),
+                    priority).inc(change)
+
+    def admission_admitted(self, tenant: str, priority: str, waited: float | None) -> None:
+        a, label = self.m.admission_on(), self.tenant_labels.label(tenant)
+        self._child(a.admitted, label).inc()
+        if waited is not None:
+            self._child(a.wait_seconds, label, priority).observe(waited)
+
+    def admission_rejected(self, tenant: str, reason: str) -> None:
+        self._child(self.m.admission_on().rejected, self.tenant_labels.label(tenant),
+                    reason).inc()
+
+    def admission_tokens(self, tenant: str, tokens: int) -> None:
+        if tokens > 0:
+            self._child(self.m.admission_on().tokens, self.tenant_labels.label(tenant)).inc(
+                tokens)
+
+    def admission_store(self, up: bool | None) -> None:
+        if up is not None:
+            self.m.admission_on().store().set(1 if up else 0)
+            return
+        a = self.m.admission
+        if a is not None and a.store_up is not None:
+            a.forget_store()
+            if a.store_up is not None:  # multiprocess files keep it: nothing is down
+                a.store_up.set(1)

@@ -289,7 +289,8 @@ th{background:#eee}td.l,th.l{text-align:left}
 """
 
 
-def render(status: Status) -> str:
+def render(status: Status, sections: Sequence[str] = ()) -> str:
+    """The page; ``sections`` (HTML, e.g. tenanttable.py's) go before the instances."""
     e = html.escape
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(status.generated))
     if status.window is None:
@@ -321,6 +322,7 @@ def render(status: Status) -> str:
                        f"<td class=\"l\">{_age(max(0.0, time.time() - src.since))}</td>"
                        f"<td>{src.members}</td><td class=\"l\">{e(src.detail)}</td></tr>")
         out.append("</table>")
+    out.extend(sections)
     out.append("<h2>Instances</h2>")
     roles = []
     for row in status.instances:

@@ -31,9 +31,10 @@ import gevent
 from gevent.event import Event
 
 from epd_flask.control.roles import DECODE, PREFILL, PREFILL_DECODE
-from epd_flask.control.roster import DEFAULT_TENANT, Tenant, tenant_of
+from epd_flask.control.roster import DEFAULT_TENANT, Tenant, admits, tenant_of
 from epd_flask.control.roster import Admission as AdmissionSettings
 from epd_flask.core.errors import ClientDisconnected, Overloaded, ProxyError, RateLimited
+from epd_flask.core.events import Events
 from epd_flask.fleet.affinity import estimate_tokens
 from epd_flask.fleet.live import LiveFleet
 from epd_flask.fleet.models import Catalog
@@ -55,8 +56,8 @@ POLL_SECONDS = 0.05
 VLLM_PRIORITY = {"high": -1, "normal": 0, "low": 1}
 DEFAULTS = AdmissionSettings()
 #: The reasons a request is refused, as the metrics and the status page name them.
-REASONS = ("queue_full", "queue_timeout", "rate_limit_requests", "rate_limit_tokens",
-           "too_large")
+REASONS = ("queue_full", "queue_timeout", "client_gone", "rate_limit_requests",
+           "rate_limit_tokens", "too_large")
 
 #: (model, the roles the request needs): one pool of capacity, one queue.
 Key = tuple[str | None, tuple[str, ...]]
@@ -186,7 +187,7 @@ class Ticket:
             return
         self.settled = True
         if used is not None:
-            self.gate.stats_of(self.tenant).tokens += used
+            self.gate.counted(self.tenant, used)
         if not self.takes:
             return
         gives = []
@@ -215,7 +216,7 @@ class AdmissionGate:
     """One worker's admission: its queue, its reservations, the tenants' limits."""
 
     def __init__(self, live: LiveFleet, catalog: Catalog, capacity: Capacity,
-                 limiter: Limiter, recomputes: bool) -> None:
+                 limiter: Limiter, recomputes: bool, events: Events | None = None) -> None:
         self.live = live
         self.catalog = catalog
         self.capacity = capacity
@@ -226,8 +227,8 @@ class AdmissionGate:
         self.waiting = 0
         self._poller: gevent.Greenlet | None = None
         self.stats: dict[str, TenantStats] = {}
-        #: Told of each wait that ended in admission: (tenant, priority, seconds).
-        self.on_waited: Callable[[str, str, float], None] | None = None
+        #: The app's hooks: the metrics hear every count below (docs/behaviour.md#admission).
+        self.events = events if events is not None else Events()
         live.subscribe(self._reconfigure)
         self._reconfigure(None, live.view)
 
@@ -237,6 +238,10 @@ class AdmissionGate:
 
     def _reconfigure(self, old: Any, new: Any) -> None:
         settings = new.settings.admission or DEFAULTS
+        if admits(new.settings, new.tenants, new.instances):
+            self.events.admission_tenants.fire(
+                [(name, tenant_of(new.tenants, name).priority)
+                 for name in sorted({*new.tenants, DEFAULT_TENANT})])
         try:
             self.limiter.configure(settings.store)
         except Exception as exc:  # a store the client library refuses: count per host
@@ -284,6 +289,9 @@ class AdmissionGate:
             self._wait(ctx, ticket, settings)
         ctx.queued(started)
         self.stats_of(tenant).admitted += 1
+        self.events.admission_admitted.fire(
+            tenant, record.priority,
+            time.monotonic() - started if ticket.waiter is not None else None)
         return (with_priority(body, record) if settings.forward_priority else body), ticket
 
     # -- rate limits ----------------------------------------------------------------------
@@ -292,7 +300,7 @@ class AdmissionGate:
         takes = ratelimit.takes_for(ticket.record, ticket.tokens)
         too_big = next((t for t in takes if t.amount > t.capacity), None)
         if too_big is not None:
-            self.stats_of(ticket.tenant).rejected["too_large"] += 1
+            self.refused(ticket.tenant, "too_large")
             err = RateLimited(
                 f"Request too large for tenant `{ticket.tenant}` on tokens per min (TPM): "
                 f"Limit {too_big.capacity}, Requested {too_big.amount}. Lower max_tokens or "
@@ -305,7 +313,7 @@ class AdmissionGate:
             ticket.takes = takes
             return
         kind = verdict.short or REQUESTS
-        self.stats_of(ticket.tenant).rejected[f"rate_limit_{kind}"] += 1
+        self.refused(ticket.tenant, f"rate_limit_{kind}")
         level = next(lv for lv in verdict.levels if lv.kind == kind)
         wanted = next(t.amount for t in takes if t.kind == kind)
         label = "requests per min (RPM)" if kind == REQUESTS else "tokens per min (TPM)"
@@ -353,15 +361,14 @@ class AdmissionGate:
     def _wait(self, ctx: RequestContext, ticket: Ticket, settings: AdmissionSettings) -> None:
         stats = self.stats_of(ticket.tenant)
         if self.waiting >= settings.max_queue:
-            stats.rejected["queue_full"] += 1
+            self.refused(ticket.tenant, "queue_full")
             raise Overloaded(f"this server already has {self.waiting} requests waiting for "
                              "capacity; retry shortly")
         cost = 1.0 if settings.share_by == REQUESTS else float(max(1, ticket.tokens))
         waiter = Waiter(ticket.tenant, RANK[ticket.record.priority], cost, payload=ticket)
         ticket.waiter, ticket.event = waiter, Event()
         self._queues.setdefault(ticket.key, FairQueue()).push(waiter, ticket.record.weight)
-        self.waiting += 1
-        stats.waiting += 1
+        self._queued(ticket, 1)
         self._dispatch()
         if not waiter.done and self._poller is None:
             self._poller = gevent.spawn(self._poll)
@@ -370,11 +377,12 @@ class AdmissionGate:
         while not ticket.event.wait(min(CLIENT_CHECK_INTERVAL,
                                         max(0.0, deadline - time.monotonic()))):
             if client_gone is not None and client_gone():
+                self.refused(ticket.tenant, "client_gone")
                 raise ClientDisconnected("client closed the connection while its request "
                                          "waited for capacity; nothing was sent upstream")
             if time.monotonic() >= deadline:
                 self.leave(ticket)
-                stats.rejected["queue_timeout"] += 1
+                self.refused(ticket.tenant, "queue_timeout")
                 raise Overloaded(f"no capacity for this request within {settings.queue_timeout:g}"
                                  " s (admission.queue_timeout); retry shortly")
         stats.waited += 1
@@ -389,8 +397,7 @@ class AdmissionGate:
             queue.remove(waiter)
             if not len(queue):
                 del self._queues[ticket.key]
-        self.waiting -= 1
-        self.stats_of(ticket.tenant).waiting -= 1
+        self._queued(ticket, -1)
 
     def kick(self) -> None:
         """Something was released: let waiting requests through while there is room."""
@@ -408,11 +415,25 @@ class AdmissionGate:
 
     def _grant(self, waiter: Waiter) -> None:
         ticket: Ticket = waiter.payload
-        self.waiting -= 1
-        self.stats_of(ticket.tenant).waiting -= 1
+        self._queued(ticket, -1)
         self._reserve(ticket)
         assert ticket.event is not None
         ticket.event.set()
+
+    # -- what is counted (TenantStats, the metrics) ------------------------------------------
+
+    def _queued(self, ticket: Ticket, change: int) -> None:
+        self.waiting += change
+        self.stats_of(ticket.tenant).waiting += change
+        self.events.admission_queue.fire(ticket.tenant, ticket.record.priority, change)
+
+    def refused(self, tenant: str, reason: str) -> None:
+        self.stats_of(tenant).rejected[reason] += 1
+        self.events.admission_rejected.fire(tenant, reason)
+
+    def counted(self, tenant: str, tokens: int) -> None:
+        self.stats_of(tenant).tokens += tokens
+        self.events.admission_tokens.fire(tenant, tokens)
 
     def _poll(self) -> None:
         try:
@@ -428,7 +449,8 @@ class AdmissionGate:
         self.limiter.close()
 
     def snapshot(self) -> dict[str, Any]:
-        """Per tenant: its record and what it did here (``/status``)."""
+        """Per tenant: its record, what it did on this worker and, for a limited tenant, its
+        buckets now (``/status``, ``/debug/worker``)."""
         view = self.live.view
         names = sorted(set(view.tenants) | set(self.stats) | {DEFAULT_TENANT})
         out = {}
@@ -440,9 +462,20 @@ class AdmissionGate:
                          "tokens_per_minute": record.tokens_per_minute,
                          "waiting": stats.waiting, "admitted": stats.admitted,
                          "waited": stats.waited, "tokens": stats.tokens,
-                         "rejected": dict(stats.rejected)}
+                         "rejected": dict(stats.rejected), "limits": self._levels(name, record)}
         return {"enabled": self.enabled, "waiting": self.waiting,
                 "store_up": self.limiter.up, "tenants": out}
+
+
+    def _levels(self, name: str, record: Tenant) -> dict[str, dict[str, float]]:
+        """``record``'s buckets as they are now: nothing taken (a give of 0 refills them to
+        now and stores what it read)."""
+        takes = [Take(t.kind, t.capacity, 0) for t in ratelimit.takes_for(record, 0)]
+        if not takes:
+            return {}
+        levels = self.limiter.apply(name, takes, give=True).levels
+        return {lv.kind: {"limit": lv.limit, "remaining": lv.remaining, "reset": lv.reset}
+                for lv in levels}
 
 
 def admission_error(err: ProxyError, ticket: Any) -> ProxyError:

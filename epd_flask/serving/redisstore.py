@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from epd_flask.core.events import Events
 from epd_flask.serving.ratelimit import Store, StoreDown, Take, Verdict, decide, local_store
 
 logger = logging.getLogger(__name__)
@@ -113,14 +114,21 @@ class RedisStore:
 
 class Limiter:
     """The buckets a request is counted in: the shared store while it answers, the host's
-    own otherwise (docs/behaviour.md#admission). ``up``: None without a shared store."""
+    own otherwise (docs/behaviour.md#admission). ``up``: None without a shared store, else
+    whether it answered its latest call (told to ``events``' ``admission_store``)."""
 
-    def __init__(self, state_dir: str | None) -> None:
+    def __init__(self, state_dir: str | None, events: Events | None = None) -> None:
         self.local: Store = local_store(state_dir)
         self._url = ""
         self._shared: RedisStore | None = None
         self._retry_at = 0.0
         self.up: bool | None = None
+        self._events = events if events is not None else Events()
+
+    def _answered(self, up: bool | None) -> None:
+        if up != self.up:
+            self.up = up
+            self._events.admission_store.fire(up)
 
     def configure(self, url: str) -> None:
         """Use the store at ``url`` (empty: none) from the next request on."""
@@ -129,10 +137,9 @@ class Limiter:
         if self._shared is not None:
             self._shared.close()
         self._url, self._shared, self._retry_at = url, None, 0.0
-        self.up = None
         if url:
             self._shared = RedisStore(url)
-            self.up = True
+        self._answered(True if url else None)
 
     def apply(self, tenant: str, takes: Sequence[Take], give: bool = False) -> Verdict:
         shared = self._shared
@@ -145,12 +152,12 @@ class Limiter:
                     logger.warning("admission: the rate-limit store %s does not answer (%s); "
                                    "each host counts its own until it does",
                                    redacted(self._url), exc)
-                self.up = False
+                self._answered(False)
             else:
                 if self.up is False:
                     logger.info("admission: the rate-limit store %s answers again",
                                 redacted(self._url))
-                self.up = True
+                self._answered(True)
                 return verdict
         return self.local.apply(tenant, takes, give)
 

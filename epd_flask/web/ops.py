@@ -1,8 +1,9 @@
 """Operator endpoints: ``/metrics`` (Prometheus), ``/status`` (HTML), ``/debug/worker``, all
 behind the metrics key once any key is configured (``authorize_reader``), and the profiler
 fan-out (``/start_profile``, ``/stop_profile``, an operator action behind the admin key). Thin
-views over metrics.py, statuspage.py and profiling.py. Also which of vLLM's own routes are an
-operator's (``operator_route``): the pass-through asks for the admin key on those.
+views over metrics.py, statuspage.py (with tenanttable.py's section) and profiling.py. Also
+which of vLLM's own routes are an operator's (``operator_route``): the pass-through asks for
+the admin key on those.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from flask import Blueprint, Response, request
 from epd_flask.core.errors import Forbidden, NotFound, Unauthorized
 from epd_flask.core.events import FleetEntry
 from epd_flask.core.headers import REQUEST_ID_HEADER, request_id, upstream_headers
-from epd_flask.observe import metrics, procstats, profiling, statuspage
+from epd_flask.observe import metrics, procstats, profiling, statuspage, tenanttable
 from epd_flask.web import admin
 from epd_flask.web.services import Services, services
 
@@ -93,7 +94,12 @@ def status_page() -> Response:
     page = statuspage.build(svc.metrics.families, now, history.baseline(now), fleet,
                             "yes" if ok else reason, history.samples(),
                             [source.state.doc() for source in svc.sources.values()])
-    return Response(statuspage.render(page), status=200, content_type="text/html; charset=utf-8",
+    gate, sections = svc.admission, []
+    if gate is not None and gate.enabled:
+        sections.append(tenanttable.render(tenanttable.build(
+            svc.metrics.families, now, history.baseline(now), gate.snapshot())))
+    return Response(statuspage.render(page, sections), status=200,
+                    content_type="text/html; charset=utf-8",
                     headers={"Cache-Control": "no-store"})
 
 
@@ -114,6 +120,8 @@ def debug_worker() -> Response:
            "load": svc.inflight.snapshot(), "gc_frozen": gc.get_freeze_count()}
     if svc.discovery is not None:  # Mooncake engines per prefill (/health shows counts)
         doc["bootstrap"] = svc.discovery.snapshot()
+    if svc.admission is not None and svc.admission.enabled:
+        doc["admission"] = svc.admission.snapshot()  # this worker's queue and counts
     return Response(json.dumps(doc), status=200, content_type="application/json")
 
 

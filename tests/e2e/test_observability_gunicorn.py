@@ -14,7 +14,7 @@ import pytest
 import requests
 
 from tests.bodies import chat, completion
-from tests.helpers import eventually, sample, scrape, total
+from tests.helpers import RawStream, eventually, sample, scrape, total
 from tests.rosters import roster
 
 pytestmark = pytest.mark.e2e
@@ -78,6 +78,7 @@ def test_one_scrape_sums_both_workers_and_counts_every_request_once(procs) -> No
         for (route, status), n in sent.items():
             assert sample(metrics, "epd_requests_total", route=route, status=str(status)) == n
         assert sample(metrics, "epd_upstream_in_flight", role="decode", instance=d.url) == 0
+        assert not any(name.startswith("epd_admission_") for name, _ in metrics)  # it is off
 
     # One bare JSON line per request, never two, from both workers.
     docs = [json.loads(line) for line in gw.log.read_text().splitlines()
@@ -125,3 +126,41 @@ def test_reloads_fold_exited_workers_files_and_keep_every_count(procs, tmp_path)
     assert {"counter_archive.db", "histogram_archive.db"} <= set(files[-1])
     live = {str(pid) for pid in gw.workers()}
     assert {n.rsplit("_", 1)[1][:-3] for n in files[-1]} <= live | {"archive"}
+
+
+def test_admission_series_sum_both_workers(procs) -> None:
+    """Requests waiting in both workers' queues show in one scrape, whichever worker answers
+    it (the queue depth is a live sum), and their counts sum like every counter."""
+    one = procs["sim"]("prefill_decode", "--token-delay-ms", "50", "--output-tokens", "400")
+    doc = roster(combined=[(one, {"max_concurrency": 1})],
+                 admission={"tenant_header": "X-Tenant"})
+    doc["tenants"] = {"a": {"weight": 2}, "b": {"priority": "low"}}
+    gw = procs["gunicorn"](doc, workers=2, env={"EPD_LOG_FORMAT": "json"})
+    assert eventually(lambda: len(workers_serving(gw)) == 2, 30), workers_serving(gw)
+    before = scrape(gw.url)
+    assert total(before, "epd_admission_queue_depth") == 0
+    assert sample(before, "epd_admission_rejected_total", tenant="b", reason="queue_full") == 0
+    held = RawStream(gw.url, "/v1/chat/completions", {**CHAT, "max_tokens": 400, "stream": True})
+    held.first_event()
+
+    def ask(tenant: str) -> int:
+        return requests.post(gw.url + "/v1/chat/completions", json={**CHAT, "max_tokens": 1},
+                             headers={"X-Tenant": tenant}, timeout=30).status_code
+
+    queued = [gevent.spawn(ask, tenant) for tenant in ("a", "b") * 6]
+    assert eventually(lambda: total(scrape(gw.url), "epd_admission_queue_depth") == 12, 30)
+    for metrics in [scrape(gw.url) for _ in range(6)]:  # answered by either worker
+        assert sample(metrics, "epd_admission_queue_depth", tenant="a", priority="normal") == 6
+        assert sample(metrics, "epd_admission_queue_depth", tenant="b", priority="low") == 6
+    held.hang_up()
+    assert [g.get(timeout=60) for g in queued] == [200] * 12
+    for metrics in [scrape(gw.url) for _ in range(6)]:
+        assert total(metrics, "epd_admission_queue_depth") == 0
+        assert sample(metrics, "epd_admission_admitted_total", tenant="a") == 6
+        assert sample(metrics, "epd_admission_admitted_total", tenant="b") == 6
+        assert total(metrics, "epd_admission_wait_seconds_count") == 12
+    # Both workers held some of the waiting requests: one worker's counts alone were not 12.
+    docs = [json.loads(line) for line in gw.log.read_text().splitlines()
+            if line.startswith('{"ts"')]
+    waited = collections.Counter(d["pid"] for d in docs if d.get("tenant") in ("a", "b"))
+    assert len(waited) == 2 and sum(waited.values()) == 12, waited

@@ -167,6 +167,31 @@ def test_every_documented_metric_moves(sim, proxy, tmp_path: Path, monkeypatch) 
             exposed += after
     finally:
         collector.stop()
+    # Admission (an app of its own, in front of one place): a tenant's request waits and goes
+    # out, the tenant's rate limit refuses one, and the shared store it names does not answer.
+    place = sim("prefill_decode", token_delay=0.05, output_tokens=400)
+    doc = rosters.roster(combined=[(place, {"max_concurrency": 1})],
+                         admission={"tenant_header": "X-Tenant",
+                                    "store": f"redis://127.0.0.1:{free_port()}/0"})
+    doc["tenants"] = {"t": {"requests_per_minute": 2}}
+    admitted = proxy(doc)
+    tenant = {"X-Tenant": "t"}
+    before = scrape(admitted.url)
+    held = RawStream(admitted.url, "/v1/chat/completions",
+                     {**CHAT, "max_tokens": 400, "stream": True})
+    held.first_event()
+    queued = gevent.spawn(requests.post, admitted.url + "/v1/chat/completions", json=CHAT,
+                          headers=tenant, timeout=10)
+    eventually(lambda: admitted.services.admission.waiting == 1, what="a request waiting")
+    during = scrape(admitted.url)
+    held.hang_up()
+    assert queued.get(timeout=10).ok
+    assert [requests.post(admitted.url + "/v1/chat/completions", json=CHAT, headers=tenant,
+                          timeout=10).status_code for _ in range(2)] == [200, 429]
+    after = scrape(admitted.url)
+    seen.update({name for name in moved(before, during) | moved(during, after)
+                 if name.startswith("epd_admission_")})
+    exposed += after
 
     known = {family(name) for name, _ in (*last, *exposed)}
     assert names <= known, f"documented but never exposed: {sorted(names - known)}"

@@ -14,6 +14,7 @@ import openai
 import requests
 
 from tests.bodies import chat
+from tests.helpers import sample, scrape
 from tests.rosters import roster
 
 HEADERS = {"X-Tenant": "limited"}
@@ -114,6 +115,7 @@ def test_two_hosts_sharing_a_store_admit_one_limit_between_them(sim, proxy, redi
     assert 5 <= statuses.count(200) <= 6 and set(statuses) == {200, 429}, statuses
     assert statuses[:5] == [200] * 5
     assert all(h.services.admission.limiter.up for h in hosts)
+    assert all(sample(scrape(h.url), "epd_admission_store_up") == 1 for h in hosts)
     redis_server.stop()
     with caplog.at_level(logging.WARNING, logger="epd_flask.serving.redisstore"):
         after = [post(host) for host in hosts for _ in range(8)]
@@ -121,6 +123,7 @@ def test_two_hosts_sharing_a_store_admit_one_limit_between_them(sim, proxy, redi
     per_host = [sum(a.status_code == 200 for a in after[n * 8:(n + 1) * 8]) for n in range(2)]
     assert all(5 <= n <= 6 for n in per_host), per_host
     assert all(h.services.admission.limiter.up is False for h in hosts)
+    assert all(sample(scrape(h.url), "epd_admission_store_up") == 0 for h in hosts)
     warnings = [r for r in caplog.records if "does not answer" in r.getMessage()]
     assert len(warnings) == 2, "one warning per host, not one per request"
 

@@ -22,7 +22,7 @@ from epd_flask.core.events import Events
 from epd_flask.observe import plots
 from epd_flask.observe.families import Families
 from epd_flask.observe.metrics import Metrics
-from epd_flask.observe.observer import MetricsObserver, ModelLabels
+from epd_flask.observe.observer import MetricsObserver, ModelLabels, TenantLabels
 from epd_flask.observe.statuspage import quantile
 from epd_flask.serving.context import DEFAULT_LOG, LogSettings, RequestContext
 
@@ -206,3 +206,33 @@ def test_model_labels_are_the_names_served_now_and_a_few_recent_ones(
         labels.update(["e", "f"])
         assert (labels.label("e"), labels.label("f")) == ("", "")
     assert len(caplog.records) == 1 and "4 model names" in caplog.records[0].getMessage()
+
+
+def test_tenant_labels_are_bounded_over_an_apps_life(caplog: pytest.LogCaptureFixture) -> None:
+    labels = TenantLabels(most=2)
+    with caplog.at_level(logging.WARNING, logger="epd_flask.observe.observer"):
+        assert [labels.label(t) for t in ("a", "b", "a", "c", "d")] == ["a", "b", "a", "", ""]
+    assert len(caplog.records) == 1 and "2 tenant names" in caplog.records[0].getMessage()
+
+
+def test_admission_metrics_are_made_when_admission_is_on_and_the_store_gauge_with_a_store(
+        ) -> None:
+    registry = CollectorRegistry()
+    families = Families(registry)
+    observer = MetricsObserver(families)
+    before = {m.name for m in registry.collect()}
+    observer.admission_tenants([])  # admission off: nothing made
+    observer.admission_store(None)
+    assert families.admission is None and {m.name for m in registry.collect()} == before
+    observer.admission_tenants([("default", "normal"), ("batch", "low")])
+    assert families.admission is not None
+    assert registry.get_sample_value("epd_admission_rejected_total",
+                                     {"tenant": "batch", "reason": "client_gone"}) == 0
+    assert registry.get_sample_value("epd_admission_store_up") is None  # no store named
+    observer.admission_store(True)
+    assert registry.get_sample_value("epd_admission_store_up") == 1
+    observer.admission_store(False)
+    assert registry.get_sample_value("epd_admission_store_up") == 0
+    observer.admission_store(None)  # the roster dropped its store: nothing says it is down
+    assert registry.get_sample_value("epd_admission_store_up") is None
+    assert families.admission.queue_depth in families.collectors()
