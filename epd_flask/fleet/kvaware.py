@@ -139,6 +139,10 @@ class Tokenizer:
         self.headers = headers or {}
         self._failing: set[str] = set()
 
+    def forget(self, kept: frozenset[str]) -> None:
+        """Only instances still listed stay remembered as failing."""
+        self._failing &= kept
+
     def tokens(self, body: dict[str, Any], instance: Instance,
                headers: dict[str, str] | None = None,
                trace: RequestTrace | None = None) -> tuple[int, ...]:

@@ -55,7 +55,11 @@ class Prober:
         self._loop.stop()
 
     def on_change(self, old: FleetView, new: FleetView) -> None:
-        """Instances that joined are probed at once."""
+        """Instances that joined are probed at once; those that left are forgotten (a fleet
+        whose addresses churn, as pods do, leaves no trace here)."""
+        kept = new.urls()
+        for url in [u for u in self._engine_tried if u not in kept]:
+            del self._engine_tried[url]
         urls = added(old, new)
         if urls:
             self.probe_now(urls)

@@ -113,6 +113,8 @@ class Router:
                               pictures or (lambda url: None),
                               no_pictures or (lambda urls: "noevents"))
         self._policies: dict[str, Policy] = {}
+        if tokenizer is not None:
+            live.subscribe(lambda old, new: tokenizer.forget(new.urls()))
 
     def source(self, role: str) -> CandidateSource:
         return self._sources.get(role, self._default)

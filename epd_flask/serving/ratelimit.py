@@ -9,7 +9,7 @@ full again (``x-ratelimit-*``), and how long until this request would pass (``Re
 
 The buckets live in a ``Store``: one process's memory (a lone app), a file every worker of the
 host shares (``HostStore``), or Redis, which every proxy host shares (``RedisStore``,
-upstream/redisstore.py); ``Limiter`` uses Redis while it answers and the host's file
+serving/redisstore.py); ``Limiter`` uses Redis while it answers and the host's file
 otherwise.
 """
 

@@ -305,6 +305,29 @@ def test_a_tokenize_failure_routes_by_prefix(publishers: list[Publisher]) -> Non
         kv.stop()
 
 
+def test_an_instance_that_left_and_returns_is_a_new_outage_to_warn_of(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Warned once per outage; leaving the fleet ends what is remembered of it, so a churning
+    fleet leaves nothing behind and a returning instance's failure is said again."""
+    gone = Instance(role="prefill", url=f"http://127.0.0.1:{free_port()}")
+    other = Instance(role="decode", url="http://127.0.0.1:9")
+    live = LiveFleet(Roster(settings=Settings(), instances=(gone, other)))
+    tokenizer = Tokenizer(Transport(), lambda: 0.5)
+    Router(live, tokenizer=tokenizer, seed=0)
+
+    def warnings() -> int:
+        return sum("cannot tokenize" in r.getMessage() for r in caplog.records)
+
+    with caplog.at_level(logging.WARNING, logger="epd_flask.fleet.kvaware"):
+        for _ in range(2):
+            assert tokenizer.tokens({"model": "m", "prompt": "text"}, gone) == ()
+        assert warnings() == 1
+        live.adopt(Roster(settings=Settings(), instances=(other,)), 2)
+        live.adopt(Roster(settings=Settings(), instances=(gone, other)), 3)
+        assert tokenizer.tokens({"model": "m", "prompt": "text"}, gone) == ()
+        assert warnings() == 2
+
+
 @pytest.mark.parametrize("value", ["tcp://*:5558", "5558", "http://10.0.0.1:5558",
                                    "tcp://10.0.0.1", "tcp://10.0.0.1:0"])
 def test_an_unusable_kv_events_endpoint_is_a_roster_error(value: str) -> None:
