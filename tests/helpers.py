@@ -10,6 +10,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
@@ -81,6 +82,33 @@ class NoDelayHandler(WSGIHandler):
         env = super().get_environ()
         env["gunicorn.socket"] = self.socket
         return env
+
+
+def read_response(sock: socket.socket) -> bytes:
+    """One whole HTTP/1.x response with a Content-Length, read raw off ``sock``."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length:"))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return data
+
+
+def children(pid: int) -> set[int]:
+    """Pids of ``pid``'s children (a gunicorn master's workers); Linux /proc."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.add(int(entry.name))
+    return found
 
 
 def free_port() -> int:

@@ -17,7 +17,7 @@ import pytest
 import requests
 import yaml
 
-from tests.helpers import eventually, free_port
+from tests.helpers import children, eventually, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT = 20.0
@@ -49,16 +49,7 @@ class Process:
 
     def workers(self) -> set[int]:
         """Pids of this process's children (a gunicorn master's workers); Linux /proc."""
-        children = set()
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                try:
-                    stat = (entry / "stat").read_text()
-                except OSError:
-                    continue
-                if int(stat.rsplit(")", 1)[1].split()[1]) == self.proc.pid:
-                    children.add(int(entry.name))
-        return children
+        return children(self.proc.pid)
 
     def tail(self) -> str:
         return self.log.read_text(errors="replace")[-3000:] if self.log and self.log.exists() \

@@ -17,7 +17,7 @@ import yaml
 
 import epd_flask
 from epd_flask.control import cli, settings
-from tests.helpers import free_port, stop_group
+from tests.helpers import children, free_port, stop_group
 
 pytestmark = pytest.mark.e2e
 
@@ -177,19 +177,6 @@ def test_reload_signals_the_master_and_never_a_worker(tmp_path: Path) -> None:
         stop_group(server)
         log.close()
 
-
-def children(pid: int) -> set[int]:
-    """Pids of ``pid``'s children (Linux /proc)."""
-    found = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.add(int(entry.name))
-    return found
 
 
 def test_options_after_the_separator_go_to_gunicorn(tmp_path: Path) -> None:

@@ -11,6 +11,8 @@ from urllib.parse import urlsplit
 import pytest
 import requests
 
+from tests.helpers import read_response
+
 pytestmark = pytest.mark.e2e
 
 CONNECTIONS = 20
@@ -24,21 +26,10 @@ def _idle(url: str, version: str) -> socket.socket:
     sock = socket.create_connection((parts.hostname, parts.port), timeout=WAIT)
     keep = "Connection: keep-alive\r\n" if version == "1.0" else ""
     sock.sendall(f"GET /health HTTP/{version}\r\nHost: {parts.netloc}\r\n{keep}\r\n".encode())
-    answer = _answer(sock)
+    answer = read_response(sock)
     assert answer.split(b"\r\n", 1)[0].endswith(b" 200 OK"), answer[:200]
     return sock
 
-
-def _answer(sock: socket.socket) -> bytes:
-    data = b""
-    while b"\r\n\r\n" not in data:
-        data += sock.recv(65536)
-    head, _, body = data.partition(b"\r\n\r\n")
-    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                  if line.lower().startswith(b"content-length:"))
-    while len(body) < length:
-        body += sock.recv(65536)
-    return data
 
 
 def _closed(sock: socket.socket) -> bool:
@@ -71,7 +62,7 @@ def test_idle_connections_make_room_for_a_new_client(procs, version: str) -> Non
         newest.sendall(f"GET /health HTTP/{version}\r\nHost: x\r\n"
                        f"{'Connection: keep-alive' + chr(13) + chr(10) if version == '1.0' else ''}"
                        "\r\n".encode())
-        assert b" 200 OK" in _answer(newest).split(b"\r\n", 1)[0]
+        assert b" 200 OK" in read_response(newest).split(b"\r\n", 1)[0]
         print(f"\n{CONNECTIONS} idle HTTP/{version} connections fill the worker: a new client "
               f"served after {served_after * 1000:.0f} ms")
     finally:

@@ -16,6 +16,7 @@ import pytest
 import requests
 
 from tests.bodies import completion
+from tests.helpers import read_response
 from tests.rosters import roster
 
 pytestmark = pytest.mark.e2e
@@ -152,22 +153,11 @@ def test_slow_heads_and_bodies_are_cut_while_health_and_completions_are_served(
     with socket.create_connection((parts.hostname, parts.port), timeout=5) as sock:
         ask = f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
         sock.sendall(ask)
-        assert _read_response(sock).startswith(b"HTTP/1.1 200 ")
+        assert read_response(sock).startswith(b"HTTP/1.1 200 ")
         gevent.sleep(HEADER_TIMEOUT * 2.5)
         sock.sendall(ask)
-        assert _read_response(sock).startswith(b"HTTP/1.1 200 ")
+        assert read_response(sock).startswith(b"HTTP/1.1 200 ")
 
-
-def _read_response(sock: socket.socket) -> bytes:
-    data = b""
-    while b"\r\n\r\n" not in data:
-        data += sock.recv(65536)
-    head, _, body = data.partition(b"\r\n\r\n")
-    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                  if line.lower().startswith(b"content-length:"))
-    while len(body) < length:
-        body += sock.recv(65536)
-    return data
 
 
 TRICKLERS = 2 * IN_FLIGHT  # twice as many bodies in progress as the cap, reopened when cut

@@ -49,13 +49,23 @@ def pair(fleet):
     return fleet
 
 
-def test_prefix_keeps_a_conversation_on_one_mooncake_prefill(pair):
+Turn = tuple[str, float, int]
+
+
+def two_turns(pair: Any, policy: str) -> tuple[Any, Turn, Turn]:
+    """A conversation's two turns through a proxy routing prefills by ``policy``: the proxy,
+    and per turn (the prefill that served it, its cached tokens, its prompt tokens)."""
     prefills = prefills_of(pair)
-    proxy = start_proxy(pair, "prefix")
-    turn1, turn2 = conversation("mooncake prefix")
+    proxy = start_proxy(pair, policy)
+    turn1, turn2 = conversation(f"mooncake {policy}")
     first = turn(proxy, prefills, turn1)
     second = turn(proxy, prefills, turn2)
-    print(f"\nmooncake prefix: turn 1 {first}, turn 2 {second}")
+    print(f"\nmooncake {policy}: turn 1 {first}, turn 2 {second}")
+    return proxy, first, second
+
+
+def test_prefix_keeps_a_conversation_on_one_mooncake_prefill(pair):
+    proxy, first, second = two_turns(pair, "prefix")
     shared_blocks = first[2] // BLOCK
     assert shared_blocks >= 4, first
     assert second[0] == first[0]
@@ -69,11 +79,6 @@ def test_prefix_keeps_a_conversation_on_one_mooncake_prefill(pair):
 
 
 def test_round_robin_alternates_mooncake_prefills(pair):
-    prefills = prefills_of(pair)
-    proxy = start_proxy(pair, "round_robin")
-    turn1, turn2 = conversation("mooncake round robin")
-    first = turn(proxy, prefills, turn1)
-    second = turn(proxy, prefills, turn2)
-    print(f"\nmooncake round_robin: turn 1 {first}, turn 2 {second}")
+    proxy, first, second = two_turns(pair, "round_robin")
     assert second[0] != first[0] and second[1] == 0
     proxy.stop()
