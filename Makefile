@@ -13,6 +13,8 @@ TOKEN_DELAY_MS ?= 30
 EPD_ROSTER ?= etc/roster.yaml
 EPD_PIDFILE ?= $(VENV)/gunicorn.pid
 PYTEST_ARGS ?=
+# The test processes `make test` runs at once (the suite waits more than it computes).
+TEST_JOBS ?= 2
 # The benchmark's peers (vllm-router; vLLM's EPD proxy and the libraries it runs on) live in
 # their own virtualenv outside the source tree: never a dependency of epd-flask, never shipped.
 BENCH_VENV ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/epd-flask/bench-venv
@@ -59,9 +61,11 @@ run: $(STAMP)
 	echo; \
 	$(BIN)/epd-flask --port $(PORT) --pidfile $(EPD_PIDFILE)
 
-## test: the whole suite, with gevent patching everything before pytest imports anything
+## test: the whole suite, with gevent patching everything before pytest imports anything, in
+## TEST_JOBS processes that share the test files (tests/shards.py; TEST_JOBS=1: one pytest)
 test: $(STAMP)
-	$(BIN)/python -m gevent.monkey --module pytest $(PYTEST_ARGS)
+	$(if $(filter 1,$(TEST_JOBS)),,$(BIN)/python tests/shards.py $(TEST_JOBS)) \
+	    $(BIN)/python -m gevent.monkey --module pytest $(PYTEST_ARGS)
 
 ## chaos: kill, stall and break instances under a mixed load through real gunicorn (~40 s)
 chaos: $(STAMP)
