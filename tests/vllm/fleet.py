@@ -144,6 +144,8 @@ class VllmServer:
     bootstrap_port: int | None = None
     #: Where it publishes KV-cache events (``--kv-events-config``), if it does.
     kv_events_port: int | None = None
+    #: Where a Mooncake EC consumer takes pushed embeddings (``ec_port``), if it does.
+    ec_control_port: int | None = None
 
     @property
     def url(self) -> str:
@@ -287,6 +289,48 @@ def _encoder() -> list[VllmServer]:
     ]
 
 
+#: The registered memory each Mooncake EC side holds for embeddings (vLLM's default is 1 GB).
+EC_BUFFER_BYTES = 64 * 1024 * 1024
+#: How long a consumer waits for a push it was promised before failing the request (vLLM: 60).
+EC_PUSH_WAIT_SECONDS = 8
+
+
+def ec_mooncake_config(role: str, port: int | None = None) -> str:
+    """ECMooncakeConnector over TCP with host buffers; a consumer listens for pushes on
+    ``port`` (its replica 0's control address, ``tcp://127.0.0.1:<port>``) and gives up on
+    a push after ``EC_PUSH_WAIT_SECONDS``."""
+    doc: dict[str, Any] = {"ec_connector": "ECMooncakeConnector", "ec_role": role,
+                           "ec_buffer_device": "cpu", "ec_buffer_size": EC_BUFFER_BYTES,
+                           "ec_connector_extra_config": {"mooncake_protocol": "tcp"}}
+    if port is not None:
+        doc |= {"ec_ip": "127.0.0.1", "ec_port": port}
+        doc["ec_connector_extra_config"]["push_wait_timeout_s"] = EC_PUSH_WAIT_SECONDS
+    return json.dumps(doc)
+
+
+def _ec_mooncake() -> list[VllmServer]:
+    """E+P+D with pushed embeddings: a tiny LLaVA encoder-only server pushes each image's
+    embedding to the prefill (ECMooncakeConnector consumer), which hands the KV to the decode
+    (MooncakeConnector). Three servers on two cores."""
+    mm = ("--limit-mm-per-prompt", '{"image":1}')
+    kv_extra = {"mooncake_protocol": "tcp"}
+    control, boot = vllm_port(), vllm_port()
+    return [
+        start_vllm("ec-mooncake-encode", "encode", 0, model="tiny-llava",
+                   args=(*mm, "--mm-encoder-only", "--ec-transfer-config",
+                         ec_mooncake_config("ec_producer"))),
+        start_vllm("ec-mooncake-prefill", "prefill", 1, model="tiny-llava",
+                   args=(*mm, "--ec-transfer-config", ec_mooncake_config("ec_consumer", control),
+                         "--kv-transfer-config", kv_config("MooncakeConnector", "kv_producer",
+                                                           kv_extra)),
+                   env={"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(boot)}, bootstrap_port=boot,
+                   ec_control_port=control),
+        start_vllm("ec-mooncake-decode", "decode", 0, model="tiny-llava",
+                   args=(*mm, "--kv-transfer-config", kv_config("MooncakeConnector",
+                                                                "kv_consumer", kv_extra))),
+    ]
+
+
 #: The second model of the multi-model topology, and the LoRA adapter of the first.
 SECOND_MODEL = "tiny-llama-b"
 LORA_NAME = "tiny-lora"
@@ -380,6 +424,7 @@ TOPOLOGIES: dict[str, Callable[[], list[VllmServer]]] = {
     "mooncake-pair": _mooncake_pair,
     "example": _example,
     "encoder": _encoder,
+    "ec-mooncake": _ec_mooncake,
     "models": _models,
     "kv": _kv,
     "kv-decode": _kv_decode,
