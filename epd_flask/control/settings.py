@@ -386,6 +386,11 @@ _ROSTER_SETTINGS = (
     RosterSetting("disaggregate_min_prompt_tokens", int, 0,
                   "prompts leaving decode fewer tokens to compute skip prefill; 0 = never",
                   "tokens", ge=0),
+    # Dynamo's conditional disaggregation: a decode with nothing to do computes a prompt
+    # sooner than a prefill with a queue (docs/behaviour.md#routing-policies, 8).
+    RosterSetting("disaggregate_max_prefill_queue_tokens", int, 0,
+                  "while every prefill has this many prompt tokens queued, an idle decode "
+                  "computes the prompt itself; 0 = never", "tokens", ge=0),
     # Absent (the default), nothing waits and nothing is counted: requests go out as they
     # arrive (docs/behaviour.md#admission).
     RosterSetting("admission", None, None,

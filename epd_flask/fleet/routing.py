@@ -164,6 +164,12 @@ class Router:
         found = self.source(role).candidates(role, request.model, request.base)
         return [c for c in found if c.url not in request.exclude] or found
 
+    def lightest(self, role: str, request: RouteRequest) -> int:
+        """The least load (``load(role).measure``) among the candidates of ``role`` that would
+        be offered ``request``; NoBackend when none is live."""
+        measure = self.load(role).measure
+        return min(measure(c.instance) for c in self._preferred(role, request))
+
     def pick(self, role: str, request: RouteRequest, record: Record) -> Placement:
         """A candidate of ``role`` chosen by its policy, told to ``record``."""
         decision = self.policy(role).choose(self._preferred(role, request), request,

@@ -29,6 +29,7 @@ from epd_flask.core.errors import (
     BackendError,
     BackendStatus,
     BackendUnavailable,
+    NoBackend,
     ProxyError,
     instance_label,
 )
@@ -60,6 +61,9 @@ def upstream_path(path: str) -> str:
 
 
 STREAM_HEADERS = (("Cache-Control", "no-cache"), ("X-Accel-Buffering", "no"))
+#: A decode with at most this many requests open counts as idle for Dynamo's rule
+#: (``disaggregate_max_prefill_queue_tokens``): the rule as docs/benchmarks.md measured it.
+IDLE_DECODE_CALLS = 1
 
 
 @dataclass
@@ -191,12 +195,12 @@ class Pipeline:
             return self._reply(opened, ctx)
         # Decode is chosen first: with no decode alive, prefill work would be wasted.
         decode = self.router.pick(DECODE, request, ctx.decided).instance
-        skipped = self._skips_prefill(request, decode)
+        to_prefill = replace(request, base=self.registry.base_of(decode.url, ctx.model))
+        skipped = self._skips_prefill(request, decode) or self._prefills_queued(to_prefill,
+                                                                                decode)
         if skipped is not None:
             return self._decode_only(decode, path, body, ctx, request, skipped)
-        prefill = self.router.pick(
-            PREFILL, replace(request, base=self.registry.base_of(decode.url, ctx.model)),
-            ctx.decided)
+        prefill = self.router.pick(PREFILL, to_prefill, ctx.decided)
         route = self.connector.route(decode, prefill, ctx.attempt_id, ctx.retries)
         staged = self.encode.run(body, ctx, prefill, view.settings, request)
         if self.connector.concurrent:
@@ -231,6 +235,23 @@ class Pipeline:
             return "short" if request.prompt_tokens < floor else None
         return f"held={held}/{len(request.tokens)}" \
             if len(request.tokens) - held < floor else None
+
+    def _prefills_queued(self, request: RouteRequest, decode: Instance) -> str | None:
+        """Dynamo's rule (docs/behaviour.md#routing-policies, 8): while every prefill that
+        would be offered ``request`` has ``disaggregate_max_prefill_queue_tokens`` prompt
+        tokens queued (routing's load) and ``decode`` is idle (at most ``IDLE_DECODE_CALLS``
+        requests), decode computing the prompt now beats any prefill's queue (why:
+        ``queued=<least queue>``). None: prefill runs, or no prefill is live and picking one
+        says so."""
+        bound = self.live.settings.disaggregate_max_prefill_queue_tokens
+        if bound <= 0 or not self.connector.recomputes \
+                or self.router.load(DECODE).calls(decode) > IDLE_DECODE_CALLS:
+            return None
+        try:
+            least = self.router.lightest(PREFILL, request)
+        except NoBackend:
+            return None
+        return f"queued={least}" if least >= bound else None
 
     def _decode_only(self, decode: Instance, path: str, body: dict[str, Any],
                      ctx: RequestContext, request: RouteRequest, why: str) -> Reply:

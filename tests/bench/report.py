@@ -23,7 +23,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "benchmarks.md"
 #: Options that only say where a run's output goes: a recorded command leaves them out.
-OUTPUT_OPTIONS = ("--report", "--json")
+OUTPUT_OPTIONS = ("--report", "--json", "--bench-json")
 #: What a benchmark measures; uncommitted changes here make a run's figures not a commit's.
 MEASURED = ("epd_flask", "tests/bench", "etc", "setup.cfg", "gunicorn.conf.py", "wsgi.py")
 

@@ -90,3 +90,78 @@ def test_without_a_picture_of_the_decode_the_estimate_decides(sim, proxy, caplog
         _send(px, "A short one.")
         assert "prefill:disaggregate(short)" in _routing(caplog)
     assert p.state.stats()["completions"] == 2
+
+
+#: The prefill's queue bound of the tests below, in prompt tokens: HISTORY (~1,000) queued
+#: is above it.
+QUEUE = 500
+#: A prefill this slow keeps HISTORY queued for ~1 s; a decode computes a short prompt at once.
+SLOW = {"max_model_len": 4096, "prefill_tokens_per_s": 1000.0}
+FAST = {"max_model_len": 4096, "prefill_tokens_per_s": 100000.0}
+
+
+def _queued_fleet(sim: Any, proxy: Any, **decode: Any) -> tuple[Any, Any, Any]:
+    p, d = sim("prefill", **SLOW), sim("decode", **FAST, **decode)
+    px = proxy(roster([p], [d], disaggregate_max_prefill_queue_tokens=QUEUE))
+    return p, d, px
+
+
+def _queue_prefill(px: Any, p: Any) -> gevent.Greenlet:
+    """HISTORY sent through the slow prefill, left in its queue."""
+    long = gevent.spawn(_send, px, HISTORY)
+    registry = px.services.registry
+    eventually(lambda: registry.get(p.url).in_flight == 1, what="the prefill busy")
+    return long
+
+
+def _routings(caplog: Any) -> list[str]:
+    return [re.search(r"routing=(\S+)", r.getMessage()).group(1) for r in caplog.records
+            if r.name == "epd_flask.requests"]
+
+
+def test_while_every_prefill_is_queued_an_idle_decode_computes_the_prompt(
+        sim, proxy, caplog) -> None:
+    p, d, px = _queued_fleet(sim, proxy)
+    with caplog.at_level(logging.INFO, logger="epd_flask.requests"):
+        long = _queue_prefill(px, p)
+        _send(px, "A short question that need not wait.")
+        assert not long.ready()  # served before the queued prompt's prefill ended
+        long.get(timeout=10)
+    skipped = [r for r in _routings(caplog) if "prefill:disaggregate" in r]
+    assert len(skipped) == 1, _routings(caplog)
+    queued = int(re.search(r"prefill:disaggregate\(queued=(\d+)\)", skipped[0]).group(1))
+    assert queued >= QUEUE
+    assert p.state.stats()["completions"] == 1  # only the long one
+    assert d.state.stats()["completions"] == 2
+    short = next(r for r in d.state.requests(2) if "need not wait" in r["body"]["prompt"])
+    assert "kv_transfer_params" not in short["body"]
+
+
+def test_a_busy_decode_leaves_the_prompt_to_the_queued_prefill(sim, proxy, caplog) -> None:
+    p, _, px = _queued_fleet(sim, proxy, token_delay=0.05)
+    streams = [requests.post(px.url + "/v1/completions", stream=True, timeout=10,
+                             json=completion(f"Stream {i}.", max_tokens=200, stream=True))
+               for i in range(2)]
+    lines = [s.iter_lines() for s in streams]  # kept: a dropped iterator ends its stream
+    try:
+        for s, read in zip(streams, lines, strict=True):
+            assert s.status_code == 200
+            next(read)  # decoding: two requests open on the decode
+        with caplog.at_level(logging.INFO, logger="epd_flask.requests"):
+            long = _queue_prefill(px, p)
+            _send(px, "A short question that waits its turn.")
+            long.get(timeout=10)
+    finally:
+        for s in streams:
+            s.close()
+    assert not [r for r in _routings(caplog) if "prefill:disaggregate" in r], _routings(caplog)
+    assert p.state.stats()["completions"] == 4
+
+
+def test_an_idle_prefill_keeps_the_prompt(sim, proxy, caplog) -> None:
+    p, _, px = _queued_fleet(sim, proxy)
+    with caplog.at_level(logging.INFO, logger="epd_flask.requests"):
+        _send(px, "A short question to an idle fleet.")
+        _send(px, HISTORY)
+    assert p.state.stats()["completions"] == 2
+    assert not [r for r in _routings(caplog) if "prefill:disaggregate" in r]

@@ -1,18 +1,22 @@
 """The engine load signals routing reads (docs/behaviour.md#routing-policies), from real vLLM:
 ``vllm:num_requests_waiting``, ``vllm:num_requests_running`` and ``vllm:kv_cache_usage_perc``
 with their ``model_name`` and ``engine`` labels, parsed by the proxy's own reader, idle and
-while a stream runs."""
+while a stream runs; and a proxy's prober reading them, so routing counts a stream another
+host sent the decode."""
 
 from __future__ import annotations
 
 import re
+import time
 
 import gevent
 import pytest
 import requests
 
 from epd_flask.fleet.enginemetrics import NAMES, EngineLoad, parse
+from epd_flask.web.services import services
 from tests.helpers import eventually
+from tests.rosters import roster
 from tests.vllm.checks import HTTP_TIMEOUT, completion_body, unique_prompt
 from tests.vllm.fleet import MODEL_NAME
 
@@ -44,19 +48,23 @@ def test_the_gauges_have_vllm_names_and_labels_and_read_idle(fleet) -> None:
     assert idle.kv_usage is not None and 0.0 <= idle.kv_usage < 0.05
 
 
-def test_a_running_stream_shows_as_running_and_holding_kv(fleet) -> None:
-    decode = fleet.up("nixl").by_role("decode")
-    body = completion_body(unique_prompt("engine-load"), max_tokens=400, stream=True,
-                           ignore_eos=True)
+def _stream_on(url: str, tag: str) -> gevent.Greenlet:
+    """A long stream sent straight to ``url``, read to its end."""
+    body = completion_body(unique_prompt(tag), max_tokens=400, stream=True, ignore_eos=True)
 
     def stream() -> int:
-        with requests.post(decode.url + "/v1/completions", json=body, stream=True,
+        with requests.post(url + "/v1/completions", json=body, stream=True,
                            timeout=HTTP_TIMEOUT) as r:
             for _ in r.iter_content(None):
                 pass
             return r.status_code
 
-    running = gevent.spawn(stream)
+    return gevent.spawn(stream)
+
+
+def test_a_running_stream_shows_as_running_and_holding_kv(fleet) -> None:
+    decode = fleet.up("nixl").by_role("decode")
+    running = _stream_on(decode.url, "engine-load")
     try:
         busy = eventually(lambda: (now := load(decode.url)).running >= 1 and now,
                           what="the stream counted as running")
@@ -64,3 +72,24 @@ def test_a_running_stream_shows_as_running_and_holding_kv(fleet) -> None:
     finally:
         assert running.get(timeout=HTTP_TIMEOUT) == 200
     assert eventually(lambda: load(decode.url).queue == 0, what="the stream done")
+
+
+def test_the_prober_counts_a_stream_another_host_sent(fleet, proxy) -> None:
+    top = fleet.up("nixl")
+    prefill, decode = top.by_role("prefill"), top.by_role("decode")
+    px = proxy(roster([prefill], [decode], connector="nixl", probe_interval=0.2,
+                      engine_metrics_interval=0.2), probes=True)
+    registry = services(px.app).live.registry
+    eventually(lambda: (s := registry.get(decode.url)) is not None and s.engine is not None
+               and s.engine.queue == 0, what="the idle decode read")
+    running = _stream_on(decode.url, "another-host")  # not through this proxy
+    try:
+        state = eventually(lambda: (s := registry.get(decode.url)).engine.running >= 1 and s,
+                           what="the prober read the stream")
+        assert state.in_flight == 0  # none of it is this worker's
+        assert state.queue(time.monotonic(), 10.0) >= 1  # routing's load counts it
+        assert state.engine.kv_usage is not None and state.engine.kv_usage > 0
+    finally:
+        assert running.get(timeout=HTTP_TIMEOUT) == 200
+    eventually(lambda: registry.get(decode.url).engine.queue == 0, what="the stream done")
+    assert registry.get(decode.url).queue(time.monotonic(), 10.0) == 0
