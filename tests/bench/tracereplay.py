@@ -102,17 +102,26 @@ def scaled(figures: dict[str, Any], factor: float) -> dict[str, Any]:
 
 
 #: epd-flask's roster settings on the trace: the engines' queues read every second (the
-#: replay lasts ~30 s; the default 5 s would give each target a handful of reads).
-EPD_SETTINGS = {"probe_interval": 1.0, "engine_metrics_interval": 1.0}
+#: replay lasts ~30 s; the default 5 s would give each target a handful of reads), and an
+#: idle decode computes a prompt while every prefill has ~0.5 s of work queued at the load
+#: point (``IDLE_DECODE``; one row runs kv_aware without it, the change measured in the run).
+IDLE_DECODE = {"disaggregate_max_prefill_queue_tokens": 30000}
+EPD_SETTINGS = {"probe_interval": 1.0, "engine_metrics_interval": 1.0, **IDLE_DECODE}
+
+
+WITHOUT_IDLE_DECODE = "epd kv_aware, no idle-decode prefill"
 
 
 def variants(include_router: bool, kv_events: bool) -> list[fleet.Variant]:
     """The trace's targets: every epd-flask policy on split instances, kv_aware also on 2
-    hosts x 2 workers, the oracle, and vllm-router's policies."""
+    hosts x 2 workers and without ``IDLE_DECODE``, the oracle, and vllm-router's
+    policies."""
     split = {"decode": "least_loaded"}
 
-    def epd(name: str, routing: dict[str, str], **kw: Any) -> fleet.Variant:
-        return fleet.Variant(name, "epd", routing=routing, extra=dict(EPD_SETTINGS), **kw)
+    def epd(name: str, routing: dict[str, str], settings: dict[str, Any] | None = None,
+            **kw: Any) -> fleet.Variant:
+        return fleet.Variant(name, "epd", routing=routing,
+                             extra={**EPD_SETTINGS, **(settings or {})}, **kw)
     out = [
         epd("epd round_robin", {}),
         epd("epd least_loaded", {"prefill": "least_loaded", "decode": "least_loaded"}),
@@ -121,6 +130,8 @@ def variants(include_router: bool, kv_events: bool) -> list[fleet.Variant]:
     ]
     if kv_events:
         out += [epd("epd kv_aware", {"prefill": "kv_aware", **split}, kv_events=True),
+                epd(WITHOUT_IDLE_DECODE, {"prefill": "kv_aware", **split},
+                    {k: 0 for k in IDLE_DECODE}, kv_events=True),
                 epd("epd kv_aware, 2 hosts x 2 workers", {"prefill": "kv_aware", **split},
                     workers=2, processes=2, kv_events=True)]
     out.append(epd("oracle", {"prefill": "oracle", "decode": "oracle"}))
@@ -293,6 +304,15 @@ def targets(rows: list[dict[str, Any]]) -> list[str]:
                      f"vllm-router's best `{best['target']}` {_ms(best['ttft_p50_ms'])}/"
                      f"{_ms(best['ttft_p90_ms'])} ms (target ≤ it: {_verdict(ok)})")
         out.append(line + ".")
+    with_it, without = find.get("epd kv_aware"), find.get(WITHOUT_IDLE_DECODE)
+    if with_it and without and with_it["ttft_p50_ms"] is not None \
+            and without["ttft_p50_ms"] is not None:
+        setting = ", ".join(f"`{k}: {v}`" for k, v in IDLE_DECODE.items())
+        out.append(f"- The idle decode computing the prompt ({setting}), one change in "
+                   f"this run: `epd kv_aware` TTFT p50/p90/p99 {_ms(with_it['ttft_p50_ms'])}/"
+                   f"{_ms(with_it['ttft_p90_ms'])}/{_ms(with_it['ttft_p99_ms'])} ms with it, "
+                   f"{_ms(without['ttft_p50_ms'])}/{_ms(without['ttft_p90_ms'])}/"
+                   f"{_ms(without['ttft_p99_ms'])} ms without.")
     failing = [r["target"] for r in rows if r["kind"] == "epd" and (r["errors"] or r["shed"])]
     out.append("- Errors and shed requests for every epd-flask target: "
                + (f"{_verdict(False)} ({', '.join(failing)})" if failing else "0 (met)") + ".")
