@@ -78,13 +78,20 @@ def requested_tokens(path_is_chat: bool, body: dict[str, Any], prompt: int) -> i
     """What a request may use: its prompt (estimated) plus the most it may generate, for
     every choice (``n``). A chat without ``max_tokens`` reserves its prompt; its usage is
     charged when it ends."""
-    most = fields.count(body.get("max_completion_tokens")) if path_is_chat else None
+    most = _count(body.get("max_completion_tokens")) if path_is_chat else None
     if most is None:
-        most = fields.count(body.get("max_tokens"))
+        most = _count(body.get("max_tokens"))
     if most is None and not path_is_chat:
         most = 16  # vLLM's (and OpenAI's) default for /v1/completions
-    choices = fields.count(body.get("n")) or 1
+    choices = _count(body.get("n")) or 1
     return prompt + max(0, most or 0) * max(1, choices)
+
+
+def _count(value: Any) -> int | None:
+    """An integer field as vLLM reads it; a plain integer (the usual case) without pydantic."""
+    if value is None or value.__class__ is int:
+        return value
+    return fields.count(value)
 
 
 def with_priority(body: dict[str, Any], tenant: Tenant) -> dict[str, Any]:
@@ -106,6 +113,10 @@ class Ticket:
     """One admitted request's claims: its tenant's rate-limit charge, its reservation on
     each role, its places on instances. Told of the request's life by its context."""
 
+    __slots__ = ("event", "gate", "holds", "key", "prompt", "pushed_out", "ran", "record",
+                 "reserved", "settled", "stream", "takes", "tenant", "tokens", "used", "verdict",
+                 "waiter")
+
     def __init__(self, gate: AdmissionGate, tenant: str, record: Tenant, key: Key,
                  prompt: int, tokens: int, stream: bool) -> None:
         self.gate = gate
@@ -121,6 +132,8 @@ class Ticket:
         self.holds: set[str] = set()
         self.waiter: Waiter | None = None
         self.event: Event | None = None
+        #: A full queue refused it for a request that goes before it.
+        self.pushed_out = False
         self.ran = False
         self.settled = False
         self.used: int | None = None
@@ -360,12 +373,12 @@ class AdmissionGate:
 
     def _wait(self, ctx: RequestContext, ticket: Ticket, settings: AdmissionSettings) -> None:
         stats = self.stats_of(ticket.tenant)
-        if self.waiting >= settings.max_queue:
-            self.refused(ticket.tenant, "queue_full")
-            raise Overloaded(f"this server already has {self.waiting} requests waiting for "
-                             "capacity; retry shortly")
         cost = 1.0 if settings.share_by == REQUESTS else float(max(1, ticket.tokens))
-        waiter = Waiter(ticket.tenant, RANK[ticket.record.priority], cost, payload=ticket)
+        rank = RANK[ticket.record.priority]
+        if self.waiting >= settings.max_queue and not self._push_out(ticket, rank, cost):
+            self.refused(ticket.tenant, "queue_full")
+            raise _queue_full(self.waiting)
+        waiter = Waiter(ticket.tenant, rank, cost, payload=ticket)
         ticket.waiter, ticket.event = waiter, Event()
         self._queues.setdefault(ticket.key, FairQueue()).push(waiter, ticket.record.weight)
         self._queued(ticket, 1)
@@ -375,7 +388,11 @@ class AdmissionGate:
         deadline = time.monotonic() + settings.queue_timeout
         client_gone = ctx.client_gone
         while not ticket.event.wait(min(CLIENT_CHECK_INTERVAL,
-                                        max(0.0, deadline - time.monotonic()))):
+                                        max(0.0, deadline - time.monotonic()))) \
+                or ticket.pushed_out:
+            if ticket.pushed_out:
+                self.refused(ticket.tenant, "queue_full")
+                raise _queue_full(self.waiting)
             if client_gone is not None and client_gone():
                 self.refused(ticket.tenant, "client_gone")
                 raise ClientDisconnected("client closed the connection while its request "
@@ -386,6 +403,27 @@ class AdmissionGate:
                 raise Overloaded(f"no capacity for this request within {settings.queue_timeout:g}"
                                  " s (admission.queue_timeout); retry shortly")
         stats.waited += 1
+
+    def _push_out(self, ticket: Ticket, rank: int, cost: float) -> bool:
+        """The queue is full: make room for ``ticket`` by refusing the waiting request that
+        would be served last, if ``ticket`` would be served before it (a better class, or a
+        smaller finish tag in the same pool); False when it would not."""
+        queue = self._queues.get(ticket.key)
+        worst = queue.last_served() if queue is not None else None
+        if worst is None:
+            # Its pool has nobody waiting: the last request of the fullest pool makes room.
+            pools = sorted(self._queues.values(), key=len, reverse=True)
+            worst = pools[0].last_served() if pools else None
+            if worst is None or worst.rank < rank:
+                return False
+        elif not queue.goes_before(rank, ticket.tenant, cost, ticket.record.weight, worst):
+            return False
+        pushed: Ticket = worst.payload
+        self.leave(pushed)
+        pushed.pushed_out = True
+        assert pushed.event is not None
+        pushed.event.set()
+        return True
 
     def leave(self, ticket: Ticket) -> None:
         """A waiting request gave up (its client left, its time ran out)."""
@@ -476,6 +514,11 @@ class AdmissionGate:
         levels = self.limiter.apply(name, takes, give=True).levels
         return {lv.kind: {"limit": lv.limit, "remaining": lv.remaining, "reset": lv.reset}
                 for lv in levels}
+
+
+def _queue_full(waiting: int) -> Overloaded:
+    return Overloaded(f"this server already has {waiting} requests waiting for capacity, "
+                      "none of which this one would go before; retry shortly")
 
 
 def admission_error(err: ProxyError, ticket: Any) -> ProxyError:

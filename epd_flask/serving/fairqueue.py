@@ -7,7 +7,9 @@ tenant t with cost c (one request, or its tokens) gets ``start = max(V, last fin
 ``finish = start + c / weight(t)``; the smallest finish goes first and ``V`` moves to its
 start. Two tenants that both keep requests waiting are served in the ratio of their weights;
 a tenant that waited for nothing builds no credit (its next request starts at ``V``), and a
-tenant alone takes every free place. Plain data, no clock, no greenlets.
+tenant alone takes every free place. When the queue is full, the request that would be
+served last is the one pushed out (``last_served``, ``goes_before``). Plain data, no clock, no
+greenlets.
 """
 
 from __future__ import annotations
@@ -46,14 +48,27 @@ class _Class:
         self.vtime = 0.0
         self.last: dict[str, float] = {}
         self.heap: list[tuple[float, int, Waiter]] = []
+        #: The same waiters, last to be served on top (for a full queue's push-out).
+        self.tail: list[tuple[float, int, Waiter]] = []
         self.size = 0
+
+    def tag(self, tenant: str, cost: float, weight: float) -> float:
+        """The finish tag a request of ``tenant`` would get now."""
+        return max(self.vtime, self.last.get(tenant, 0.0)) + cost / weight
 
     def push(self, waiter: Waiter, weight: float) -> None:
         waiter.start = max(self.vtime, self.last.get(waiter.tenant, 0.0))
         waiter.finish = waiter.start + waiter.cost / weight
         self.last[waiter.tenant] = waiter.finish
         heapq.heappush(self.heap, (waiter.finish, waiter.seq, waiter))
+        heapq.heappush(self.tail, (-waiter.finish, -waiter.seq, waiter))
         self.size += 1
+
+    def last_served(self) -> Waiter | None:
+        """The waiting request that would go last."""
+        while self.tail and self.tail[0][2].done:
+            heapq.heappop(self.tail)
+        return self.tail[0][2] if self.tail else None
 
     def pop(self) -> Waiter | None:
         while self.heap:
@@ -81,6 +96,7 @@ class _Class:
         self.vtime = 0.0
         self.last.clear()
         self.heap.clear()
+        self.tail.clear()
 
 
 class FairQueue:
@@ -110,6 +126,21 @@ class FairQueue:
         if not waiter.done:
             waiter.done = True
             self._classes[waiter.rank].remove(waiter)
+
+    def last_served(self) -> Waiter | None:
+        """The waiting request that would go last: the worst class's largest finish tag."""
+        for cls in reversed(self._classes):
+            if cls.size:
+                return cls.last_served()
+        return None
+
+    def goes_before(self, rank: int, tenant: str, cost: float, weight: float,
+                    other: Waiter) -> bool:
+        """Whether a request of ``tenant`` in class ``rank`` arriving now would be served
+        before ``other`` (a waiter of this queue)."""
+        if rank != other.rank:
+            return rank < other.rank
+        return self._classes[rank].tag(tenant, cost, weight) < other.finish
 
     def best_rank(self) -> int:
         """The best class with a request waiting (len(PRIORITIES) when none)."""

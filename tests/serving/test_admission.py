@@ -19,7 +19,8 @@ from tests.rosters import roster
 TENANTS = {"chat": {"weight": 4, "priority": "high"}, "batch": {"weight": 1, "priority": "low"},
            "a": {"weight": 4}, "b": {"weight": 1}}
 ADMISSION = {"tenant_header": "X-Tenant", "queue_timeout": 20}
-#: A stream that lasts until its client hangs up (400 tokens 50 ms apart).
+#: A stream that lasts until its client hangs up (400 tokens 50 ms apart: 20 s at most, which
+#: the waits for the requests behind it outlast).
 HOLD = chat("hold the only place", stream=True, max_tokens=400)
 
 
@@ -61,7 +62,7 @@ def test_a_full_instance_queues_and_high_priority_overtakes_low(sim, proxy, capl
     assert arrivals(server) == [HOLD["messages"][0]["content"]], "a waiting request went out"
     with caplog.at_level(logging.INFO, logger="epd_flask.requests"):
         held.hang_up()
-        answers = [g.get(timeout=20) for g in pending]
+        answers = [g.get(timeout=40) for g in pending]
     assert [a.status_code for a in answers] == [200, 200, 200]
     assert arrivals(server)[1:] == ["chat 0", "batch 0", "batch 1"]
     lines = [r.getMessage() for r in caplog.records if "tenant=chat" in r.getMessage()]
@@ -100,7 +101,7 @@ def test_a_tenant_alone_may_use_the_whole_fleet(sim, proxy) -> None:
     blocked = gevent.spawn(post, px, "b", "the fourth")
     eventually(lambda: px.services.admission.waiting == 1, what="the fourth waiting")
     streams[0].hang_up()
-    assert blocked.get(timeout=20).status_code == 200
+    assert blocked.get(timeout=40).status_code == 200
     for stream in streams[1:]:
         stream.hang_up()
 
@@ -142,7 +143,7 @@ def test_past_max_queue_a_request_is_refused_at_once(sim, proxy) -> None:
     refused = post(px, "b", "refused")
     assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
     held.hang_up()
-    assert waiting.get(timeout=20).status_code == 200
+    assert waiting.get(timeout=40).status_code == 200
     assert "refused" not in arrivals(server)
 
 
@@ -180,5 +181,21 @@ def test_an_engine_that_reports_a_queue_is_full_for_every_host(sim, proxy) -> No
     assert "from this host" not in arrivals(server)
     for other in others:
         other.hang_up()
-    assert waiting.get(timeout=20).status_code == 200
+    assert waiting.get(timeout=40).status_code == 200
     assert "from this host" in arrivals(server)
+
+
+def test_a_full_queue_refuses_the_request_that_would_go_last(sim, proxy) -> None:
+    server, px = one_place(sim, proxy, max_queue=1)
+    gate = px.services.admission
+    held = hold_the_place(px)
+    low = gevent.spawn(post, px, "batch", "low waits")
+    eventually(lambda: gate.waiting == 1, what="the low-priority request waiting")
+    high = gevent.spawn(post, px, "chat", "high arrives")
+    pushed = low.get(timeout=10)  # refused at once: the high one goes before it
+    assert pushed.status_code == 503 and pushed.headers["Retry-After"] == "1"
+    assert gate.waiting == 1
+    held.hang_up()
+    assert high.get(timeout=40).status_code == 200
+    assert "low waits" not in arrivals(server)
+    assert gate.snapshot()["tenants"]["batch"]["rejected"] == {"queue_full": 1}

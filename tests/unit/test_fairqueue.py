@@ -67,3 +67,19 @@ def test_a_request_that_leaves_gives_its_place_back() -> None:
     assert drain(queue) == ["a", "b"]
     queue.push(waiter("a"), weight=1)  # an empty queue forgets: no debt from the one that left
     assert drain(queue) == ["a"]
+
+
+def test_the_request_that_would_go_last_is_the_one_a_full_queue_refuses() -> None:
+    queue = FairQueue()
+    for name, priority in [("n1", "normal"), ("l1", "low"), ("l2", "low"), ("h1", "high")]:
+        queue.push(waiter(name, priority), weight=1)
+    assert queue.last_served().payload == "l2"
+    assert queue.goes_before(RANK["normal"], "x", 1.0, 1.0, queue.last_served())
+    assert not queue.goes_before(RANK["low"], "l", 1.0, 1.0, queue.last_served())
+    heavy = FairQueue()
+    for _ in range(3):
+        heavy.push(waiter("batch"), weight=1)  # tags 1, 2, 3
+    light = heavy.last_served()
+    assert light.finish == 3.0
+    assert heavy.goes_before(RANK["normal"], "chat", 1.0, 4.0, light)  # tag 0.25
+    assert not heavy.goes_before(RANK["normal"], "batch", 1.0, 1.0, light)  # tag 4
