@@ -41,7 +41,7 @@ SERVICE_USER ?= epd-flask
 
 export EPD_ROSTER
 
-.PHONY: run test test-vllm chaos lint bench bench-fleet bench-micro soak reload check-roster install-service service-unit clean
+.PHONY: run test test-vllm chaos lint bench bench-fleet bench-tenants bench-micro soak reload check-roster install-service service-unit clean
 
 $(STAMP): setup.cfg setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -107,6 +107,12 @@ bench-fleet: $(STAMP) $(BENCH_VENV)/.installed
 	    $(if $(TRACE),--trace $(TRACE)) $(if $(TRACE_SPEED),--trace-speed $(TRACE_SPEED)) \
 	    $(if $(TRACE_LIMIT),--trace-limit $(TRACE_LIMIT)) \
 	    $(if $(BENCH_JSON),--bench-json $(BENCH_JSON)) $(BENCH_ARGS)
+
+## bench-tenants: an interactive tenant's time to first token beside a batch tenant flooding at
+## 10x its share: epd-flask with admission control, without it, and vllm-router's concurrency
+## limit, on two simulated engines; replaces its block of docs/benchmarks.md (~8 minutes)
+bench-tenants: $(STAMP) $(BENCH_VENV)/.installed
+	$(BIN)/python tests/bench/tenants.py --router $(BENCH_VENV)/bin/vllm-router $(BENCH_ARGS)
 
 ## bench-micro: the hot path's pieces in one process each (the proxy's own work per request,
 ## one upstream call, one relayed event), kv_aware's memory per block and the fleet model's

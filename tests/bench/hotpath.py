@@ -12,6 +12,12 @@ metrics), so what is measured is the edge, dispatch, log line and metrics. CPU t
 gunicorn. Parts:
 
 - ``app``: the whole WSGI chain as served (the completion fast path);
+- ``admission``: the same, from an app whose roster turns admission control on (two tenants,
+  the request's named by ``X-Tenant``; ``max_concurrency`` on both instances) while the fleet
+  is not full (docs/behaviour.md#admission);
+- ``limited``: as ``admission``, the request's tenant limited to a million requests and
+  tokens a minute (counted in this process: the local store; one Redis round trip more with
+  ``admission.store``);
 - ``flask``: the same chain with Flask dispatching the completion route;
 - ``observer``: the metric updates of one request (its events, fired directly);
 - ``logline``: the request's log line, formatted and written to a discarding handler
@@ -76,7 +82,7 @@ def main() -> None:
     parser.add_argument("--multiprocess", action="store_true")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--calls", type=int, default=2000)
-    parser.add_argument("--parts", default="app,flask,observer,logline")
+    parser.add_argument("--parts", default="app,admission,limited,flask,observer,logline")
     parser.add_argument("--report", default="",
                         help="markdown file whose `hotpath` block the figures replace")
     args = parser.parse_args()
@@ -86,9 +92,10 @@ def main() -> None:
 
     from epd_flask.app import create_app, services
     from epd_flask.control.config import ProxyConfig
-    from epd_flask.control.roster import parse
+    from epd_flask.control.roster import Instance, parse
     from epd_flask.core.events import FleetEntry
     from epd_flask.core.headers import REQUEST_ID_HEADER
+    from epd_flask.fleet.policies import Decision, Placement
     from epd_flask.serving.context import RequestContext
     from epd_flask.serving.pipeline import Reply
     try:
@@ -115,11 +122,18 @@ def main() -> None:
     svc.metrics.observer.fleet([FleetEntry("prefill", PREFILL, True),
                                 FleetEntry("decode", DECODE, True)])
     svc.metrics.observer.models(["m"])
+    admitted_app = create_app(ProxyConfig.from_env(), parse({
+        "settings": {"admission": {"tenant_header": "X-Tenant"}},
+        "tenants": {"chat": {"weight": 4, "priority": "high", "requests_per_minute": 10**6,
+                             "tokens_per_minute": 10**6}, "batch": {"priority": "low"}},
+        "instances": [{"role": "prefill", "url": PREFILL, "max_concurrency": 64},
+                      {"role": "decode", "url": DECODE, "max_concurrency": 64}]}, "bench"))
 
     def completion(path: str, body: dict[str, Any], ctx: RequestContext) -> Reply:
         ctx.model = "m"
         for role, url in (("prefill", PREFILL), ("decode", DECODE)):
-            ev.routed.fire(role, "round_robin", "rotation", url)
+            ctx.decided(role, Decision(Placement(Instance(role=role, url=url)), "round_robin",
+                                       "rotation", ""))
             ctx.instances[role] = url
             started = time.monotonic()
             with ctx.leg(role, role, url) as call:
@@ -131,14 +145,15 @@ def main() -> None:
                            (REQUEST_ID_HEADER, ctx.request_id)], ANSWER)
 
     svc.pipeline.completion = completion  # type: ignore[method-assign]
+    services(admitted_app).pipeline.completion = completion  # type: ignore[method-assign]
     served = app.wsgi_app
     fast = served.app.app
     flask_only = InFlightMiddleware(BodyDeadline(fast.inner, svc.config.body_timeout),
                                     svc.inflight) if isinstance(fast, FastPath) else served
 
-    def request(wsgi: Callable[..., Any]) -> Callable[[], object]:
+    def request(wsgi: Callable[..., Any], **extra: str) -> Callable[[], object]:
         def once() -> object:
-            result = wsgi(environ(), start_response)
+            result = wsgi({**environ(), **extra}, start_response)
             body = b"".join(result)
             result.close()
             return body
@@ -173,7 +188,9 @@ def main() -> None:
         requests_logger.info("%s", logline_ctx.log_line())
 
     parts: dict[str, Callable[[], object]] = {
-        "app": request(served), "flask": request(flask_only), "observer": observer,
+        "app": request(served), "flask": request(flask_only),
+        "admission": request(admitted_app.wsgi_app, HTTP_X_TENANT="batch"),
+        "limited": request(admitted_app.wsgi_app, HTTP_X_TENANT="chat"), "observer": observer,
         "logline": logline, "format": logline_ctx.log_line}
     rows = []
     for name in args.parts.split(","):

@@ -39,6 +39,8 @@ class Conn:
         self.buf = b""
         # Every gap between body chunks of the last answer, in seconds (replay.py's ITL).
         self.gaps: list[float] = []
+        # The last answer's headers, names in lower case (replay.py reads Retry-After).
+        self.headers: dict[bytes, bytes] = {}
 
     def _connect(self) -> socket.socket:
         sock = socket.create_connection(self.addr)
@@ -92,6 +94,7 @@ class Conn:
         for line in lines[1:]:
             name, _, value = line.partition(b":")
             headers[name.strip().lower()] = value.strip()
+        self.headers = headers
         parts: list[bytes] = []
         self.gaps = []
         first = 0.0

@@ -6,8 +6,9 @@ goes to ``urls[i % len(urls)]`` (several URLs: a round-robin front of several pr
 trace is chat items (``{"t", "session", "turn", "body"}``), or with ``"mooncake": {"model",
 "max_tokens"}`` rows of a Mooncake trace (``mooncaketrace.as_json``), whose text is made
 just before each is sent, so a long trace is never held in memory as text.
-Prints ``{"requests": [{"ok", "status", "ttft", "gaps", "error", "session", "turn"}...],
-"wall_s"}``.
+A chat item may carry ``headers`` (sent with it: a tenant) and ``tenant`` (kept in its row).
+Prints ``{"requests": [{"ok", "status", "retry_after", "ttft", "gaps", "error", "session",
+"turn", "tenant"}...], "wall_s"}``.
 """
 
 from gevent import monkey
@@ -33,16 +34,18 @@ PATH = "/v1/chat/completions"
 def one(url: str, path: str, item: dict[str, Any], body: bytes,
         timeout: float) -> dict[str, Any]:
     parts = urlsplit(url)
+    extra = "".join(f"{k}: {v}\r\n" for k, v in item.get("headers", {}).items())
     head = (f"POST {path} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: "
-            f"application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+            f"application/json\r\n{extra}Content-Length: {len(body)}\r\n\r\n").encode()
     conn = Conn(parts.hostname or "127.0.0.1", parts.port or 80)
     out: dict[str, Any] = {"session": item.get("session", 0), "turn": item.get("turn", 0),
-                           "ok": False}
+                           "tenant": item.get("tenant"), "ok": False}
     try:
         with gevent.Timeout(timeout, ResponseError(f"no answer in {timeout} s")):
             status, data, first, _gap, elapsed = conn.request(head, body)
         out["status"] = status
-        why = check(status, data, True)
+        out["retry_after"] = b"retry-after" in conn.headers
+        why = check(status, data, bool(item.get("body", {}).get("stream", True)))
         if why:
             out["error"] = why
         else:

@@ -1,0 +1,268 @@
+"""``make bench-tenants``: an interactive tenant's time to first token while a batch tenant
+floods the fleet, through epd-flask with admission control, without it, and through
+vllm-router's concurrency limit (docs/behaviour.md#admission).
+
+The fleet: two simulated prefill_decode engines with the cost model of
+``epd_flask/sim/costmodel.py`` (an 8B model's figures, as bench-fleet's) and vLLM's batch bound
+(``--max-num-seqs``: the requests past it wait in the engine, first come, first served). The
+load, open loop from a separate process (replay.py), for ``DURATION`` seconds:
+- ``chat``: streamed questions with a long prompt, Poisson at ``INTERACTIVE_RATE``;
+- ``batch``: non-streamed jobs with short prompts and long answers, Poisson at ten times its
+  weighted share of the fleet (its weight over both tenants' weights, times the fleet's
+  throughput measured with batch alone).
+Targets, each on a fresh fleet state: chat alone through epd-flask with admission (the
+reference), then chat + batch through epd-flask with admission (sharing by requests, and by
+tokens), through epd-flask without admission (what it did before), and through vllm-router
+with ``--max-concurrent-requests`` (its rate limiter: one global first-come queue). Reported:
+chat's TTFT p50/p99 and its ratio to alone, batch's completions per second against its share,
+and what was lost: a request that neither completed nor got a 429/503 with ``Retry-After``.
+Bounded: every request has a timeout, every run its duration plus a drain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import report
+from run import BIN, GUNICORN_CONF, MODEL, Fleet, configure, free_port, wait_up
+
+REPLAY = Path(__file__).resolve().parent / "replay.py"
+LABEL = "tenants"
+INSTANCES = 2
+#: vLLM's --max-num-seqs per engine, and the proxy's max_concurrency to match.
+SEATS = 64
+#: The engines' figures: bench-fleet's 8B model on one H100 (docs/benchmarks.md).
+FIGURES = {"prefill_tokens_per_s": 15000.0, "token_delay": 0.008,
+           "token_delay_per_stream": 0.00015, "ttft": 0.0, "output_tokens": 1000}
+DURATION = 20.0
+INTERACTIVE_RATE = 2.0
+#: Prompt characters (~4 per token) and answer tokens of each tenant's requests.
+CHAT_PROMPT, CHAT_TOKENS = 6000, 16
+BATCH_PROMPT, BATCH_TOKENS = 800, 128
+WEIGHTS = {"chat": 4, "batch": 1}
+FLOOD = 10.0
+TIMEOUT = 60.0
+QUEUE_TIMEOUT = 10
+MAX_QUEUE = 400
+
+
+def words(n_chars: int, rng: random.Random) -> str:
+    """A prompt no other request shares (the engines' prefix caches find nothing)."""
+    return " ".join(f"w{rng.randrange(1 << 30):x}" for _ in range(n_chars // 10))
+
+
+def trace(rate_chat: float, rate_batch: float, seed: int) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    items: list[dict[str, Any]] = []
+    for tenant, rate in (("chat", rate_chat), ("batch", rate_batch)):
+        t = 0.0
+        while rate > 0:
+            t += rng.expovariate(rate)
+            if t >= DURATION:
+                break
+            chat = tenant == "chat"
+            body = {"model": MODEL, "max_tokens": CHAT_TOKENS if chat else BATCH_TOKENS,
+                    "stream": chat, "messages": [{
+                        "role": "user",
+                        "content": words(CHAT_PROMPT if chat else BATCH_PROMPT, rng)}]}
+            items.append({"t": t, "tenant": tenant, "headers": {"X-Tenant": tenant},
+                          "body": body})
+    return sorted(items, key=lambda item: item["t"])
+
+
+def roster(urls: list[str], admission: dict[str, Any] | None) -> str:
+    lines = []
+    if admission is not None:
+        lines += ["settings:", f"  admission: {json.dumps(admission)}", "tenants:"]
+        lines += [f"  {name}: {{weight: {w}}}" for name, w in WEIGHTS.items()]
+    lines.append("instances:")
+    bound = f", max_concurrency: {SEATS}" if admission is not None else ""
+    lines += [f'  - {{role: prefill_decode, url: "{u}"{bound}}}' for u in urls]
+    return "\n".join(lines) + "\n"
+
+
+def start_epd(fleet: Fleet, workdir: Path, urls: list[str],
+              admission: dict[str, Any] | None) -> str:
+    path = workdir / f"roster-{time.monotonic_ns()}.yaml"
+    path.write_text(roster(urls, admission))
+    port = free_port()
+    proc = fleet.spawn(f"epd-{port}", [str(BIN / "gunicorn"), "-c", str(GUNICORN_CONF),
+                                       "wsgi:app"], env={
+        "EPD_WORKERS": "1", "EPD_BIND": f"127.0.0.1:{port}", "EPD_ROSTER": str(path),
+        "EPD_LOG_LEVEL": "warning"})
+    url = f"http://127.0.0.1:{port}"
+    wait_up(url + "/ready", proc)
+    return url
+
+
+def start_router(fleet: Fleet, router: str, urls: list[str]) -> str:
+    port, metrics = free_port(), free_port()
+    proc = fleet.spawn(f"router-{port}", [
+        router, "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics),
+        "--policy", "round_robin", "--worker-urls", *urls,
+        "--max-concurrent-requests", str(SEATS * INSTANCES), "--queue-size", str(MAX_QUEUE),
+        "--queue-timeout-secs", str(QUEUE_TIMEOUT)])
+    url = f"http://127.0.0.1:{port}"
+    wait_up(url + "/health", proc)
+    return url
+
+
+def replay(url: str, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    spec = {"urls": [url], "trace": items, "timeout": TIMEOUT, "deadline": DURATION + 1}
+    proc = subprocess.run([sys.executable, str(REPLAY)], input=json.dumps(spec).encode(),
+                          capture_output=True, timeout=DURATION + TIMEOUT + 60)
+    if proc.returncode != 0:
+        raise RuntimeError(f"replay failed: {proc.stderr.decode(errors='replace')[-2000:]}")
+    return json.loads(proc.stdout)["requests"]
+
+
+def pct(values: list[float], q: float) -> float | None:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else None
+
+
+def summarize(name: str, items: list[dict[str, Any]], done: list[dict[str, Any]],
+              share: float | None) -> dict[str, Any]:
+    """One target's row; ``items`` the trace ``done`` answers, in the same order (batch is
+    counted as served while the flood lasted: completed within ``DURATION``)."""
+    chat = [r for r in done if r["tenant"] == "chat"]
+    batch = [r for r in done if r["tenant"] == "batch"]
+    during = sum(1 for item, r in zip(items, done, strict=False)
+                 if r["tenant"] == "batch" and r["ok"] and item["t"] + r["total"] <= DURATION)
+    ttfts = [r["ttft"] for r in chat if r["ok"]]
+
+    def lost(rs: list[dict[str, Any]]) -> int:
+        return sum(1 for r in rs if not r["ok"] and not (
+            r.get("status") in (429, 503) and r.get("retry_after")))
+
+    def refused(rs: list[dict[str, Any]]) -> int:
+        return sum(1 for r in rs if not r["ok"] and r.get("status") in (429, 503)
+                   and r.get("retry_after"))
+    return {"target": name, "chat_sent": len(chat), "chat_ok": len(ttfts),
+            "ttft_p50": pct(ttfts, 0.5), "ttft_p99": pct(ttfts, 0.99),
+            "batch_sent": len(batch), "batch_ok": sum(r["ok"] for r in batch),
+            "batch_per_s": during / DURATION, "share_per_s": share,
+            "refused": refused(chat) + refused(batch), "lost": lost(chat) + lost(batch),
+            "errors": sorted({r.get("error", "")[:100] for r in done if not r["ok"]})[:3]}
+
+
+def reset(urls: list[str]) -> None:
+    for url in urls:
+        subprocess.run(["curl", "-s", "-X", "POST", "-H", "Content-Type: application/json",
+                        "-d", "{}", url + "/sim/reset"], check=True, capture_output=True)
+
+
+def measure(args: argparse.Namespace, workdir: Path) -> tuple[list[dict[str, Any]], float]:
+    fleet = Fleet(workdir)
+    rows: list[dict[str, Any]] = []
+    try:
+        urls = [fleet.sim("prefill_decode", "--max-num-seqs", str(SEATS))[0]
+                for _ in range(INSTANCES)]
+        for url in urls:
+            configure(url, FIGURES)
+        admitted = {"tenant_header": "X-Tenant", "queue_timeout": QUEUE_TIMEOUT,
+                    "max_queue": MAX_QUEUE}
+        # The fleet's batch throughput: batch alone, flooding past its seats.
+        epd = start_epd(fleet, workdir, urls, admitted)
+        calibration = trace(0.0, SEATS * INSTANCES, args.seed)
+        capacity = summarize("", calibration, replay(epd, calibration), None)["batch_per_s"]
+        share = capacity * WEIGHTS["batch"] / sum(WEIGHTS.values())
+        flood = FLOOD * share
+        print(f"batch alone: {capacity:.1f}/s; share {share:.1f}/s, flooding at {flood:.1f}/s",
+              file=sys.stderr)
+        reset(urls)
+        alone = trace(INTERACTIVE_RATE, 0.0, args.seed + 1)
+        rows.append(summarize("chat alone, epd-flask with admission", alone,
+                              replay(epd, alone), None))
+        load = trace(INTERACTIVE_RATE, flood, args.seed + 1)
+        for name, admission in [
+                ("epd-flask, admission (share_by requests)", {**admitted}),
+                ("epd-flask, admission (share_by tokens)", {**admitted, "share_by": "tokens"}),
+                ("epd-flask, no admission", None)]:
+            reset(urls)
+            target = start_epd(fleet, workdir, urls, admission)
+            rows.append(summarize(name, load, replay(target, load), share))
+            print(rows[-1], file=sys.stderr)
+        if args.router:
+            reset(urls)
+            rows.append(summarize("vllm-router, --max-concurrent-requests", load,
+                                  replay(start_router(fleet, args.router, urls), load), share))
+            print(rows[-1], file=sys.stderr)
+        return rows, capacity
+    finally:
+        fleet.stop()
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1000:.0f}"
+
+
+def render(rows: list[dict[str, Any]], capacity: float, meta: dict[str, Any]) -> str:
+    alone = rows[0]["ttft_p99"]
+    command = report.recorded_command("python tests/bench/tenants.py", sys.argv[1:])
+    lines = [
+        report.stamp(meta["started"], meta, command),
+        f"{INSTANCES} simulated prefill_decode engines (cost model: "
+        f"{FIGURES['prefill_tokens_per_s']:.0f} prompt tokens/s, "
+        f"{FIGURES['token_delay'] * 1000:.0f} ms per token + "
+        f"{FIGURES['token_delay_per_stream'] * 1000:.2f} ms per other running request; "
+        f"`--max-num-seqs {SEATS}` each); epd-flask 1 worker, `max_concurrency: {SEATS}`, "
+        f"`queue_timeout: {QUEUE_TIMEOUT}`, `max_queue: {MAX_QUEUE}`, tenants chat "
+        f"(weight {WEIGHTS['chat']}) and batch (weight {WEIGHTS['batch']}), one class. "
+        f"{DURATION:.0f} s of open-loop load: chat streams ~{CHAT_PROMPT // 4} prompt tokens, "
+        f"{CHAT_TOKENS} answer tokens, Poisson {INTERACTIVE_RATE:g}/s; batch non-streamed, "
+        f"~{BATCH_PROMPT // 4} prompt tokens, {BATCH_TOKENS} answer tokens, at "
+        f"{FLOOD:g}x its share. Batch alone completes {capacity:.1f}/s (the fleet's "
+        f"throughput): its share is {capacity * WEIGHTS['batch'] / sum(WEIGHTS.values()):.1f}/s."
+        " vllm-router: round_robin, `--max-concurrent-requests "
+        f"{SEATS * INSTANCES} --queue-size {MAX_QUEUE} --queue-timeout-secs {QUEUE_TIMEOUT}`.",
+        "",
+        "| target | chat TTFT p50 ms | chat TTFT p99 ms | p99 vs alone | chat done | "
+        "batch done/s during the flood (share) | refused with Retry-After | lost |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ratio = "-" if r["ttft_p99"] is None or not alone else f"{r['ttft_p99'] / alone:.2f}"
+        share = "" if r["share_per_s"] is None else f" ({r['share_per_s']:.1f})"
+        batch = "-" if not r["batch_sent"] else f"{r['batch_per_s']:.1f}{share}"
+        lines.append(f"| {r['target']} | {_ms(r['ttft_p50'])} | {_ms(r['ttft_p99'])} | {ratio} "
+                     f"| {r['chat_ok']}/{r['chat_sent']} | {batch} | {r['refused']} | "
+                     f"{r['lost']} |")
+    errors = [(r["target"], r["errors"]) for r in rows if r["errors"] and r["lost"]]
+    if errors:
+        lines += ["", "Lost requests' errors: " + "; ".join(f"{t}: {e}" for t, e in errors)]
+    lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--router", default="", help="vllm-router executable (bench venv)")
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--report", type=Path, default=Path(__file__).resolve().parents[2] /
+                   "docs" / "benchmarks.md")
+    args = p.parse_args(argv)
+    if args.router and not Path(args.router).exists():
+        print(f"{args.router} not found; running without vllm-router", file=sys.stderr)
+        args.router = ""
+    meta = {"started": report.now(), **report.machine()}
+    with tempfile.TemporaryDirectory(prefix="epd-bench-tenants-") as tmp:
+        rows, capacity = measure(args, Path(tmp))
+    text = render(rows, capacity, meta)
+    print(text)
+    report.write_section(args.report, LABEL, text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
