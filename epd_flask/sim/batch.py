@@ -40,6 +40,10 @@ class Batch:
         rank = priority if policy == "priority" else 0
         heapq.heappush(self._waiting, (rank, next(self._seq), event))
         while not event.wait(GONE_CHECK):
+            # A wait that timed out in the same turn of the loop as ``release`` granted it says
+            # False with the place already counted as running: the place is this request's.
+            if event.is_set():
+                break
             if gone():
                 self._left.add(event)
                 return False
