@@ -25,7 +25,7 @@ BLOCKS = {"bench": "run.py", "fleet-light": "fleet.py", "fleet-loaded": "fleet.p
           "fleetmodel-loaded": "fleetmodel.py", "fleetmodel-light": "fleetmodel.py",
           "hotpath": "hotpath.py", "upstream-call": "upstream_call.py",
           "relaycost": "relaycost.py", "kvpicture": "kvpicture.py", "soak": "soak.py",
-          "fleet-trace": "tracereplay.py"}
+          "fleet-trace": "tracereplay.py", "tenants": "tenants.py"}
 BLOCK = re.compile(r"<!-- bench:([\w-]+):start -->\n.*?<!-- bench:\1:end -->", re.S)
 
 
