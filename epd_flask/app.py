@@ -91,8 +91,7 @@ def build_services(config: ProxyConfig, roster: Roster, generation: int = 0, *,
                     seed=seed)
     pipeline = Pipeline(live, router, transport, connector,
                         max_event_bytes=config.max_event_bytes)
-    admission = AdmissionGate(live, pipeline.catalog, capacity,
-                              Limiter(config.state_dir, events), connector.recomputes, events)
+    admission = AdmissionGate(live, capacity, Limiter(config.state_dir, events), events)
     prober = Prober(live, transport, models_headers=backend_auth, events=events)
     state = StateDir(config.state_dir) if config.state_dir else None
     roster_sync = RosterSync(live, config.roster_path, state, events=events)

@@ -314,9 +314,6 @@ _ADMISSION_KEYS = (
                   "what a tenant's weighted share counts: requests, or their tokens"),
 )
 
-#: The roster's top-level ``tenants:`` keys, per tenant (docs/behaviour.md#admission).
-TENANT_KEYS = ("weight", "priority", "requests_per_minute", "tokens_per_minute")
-
 
 _ROSTER_SETTINGS = (
     # A name declared in connectorspecs.py; roster.py checks it against that list.

@@ -37,10 +37,6 @@ ENGINE_WAITING_FULL = 4
 Waiting = Callable[[InstanceState], int | None]
 
 
-def no_engine_signal(state: InstanceState) -> int | None:
-    return None
-
-
 def engine_waiting(live: LiveFleet) -> Waiting:
     """The engine's waiting queue as the prober last read it (``vllm:num_requests_waiting``),
     while that read is fresh (as routing's load takes it), corrected by this worker's calls

@@ -30,19 +30,17 @@ from typing import Any
 import gevent
 from gevent.event import Event
 
-from epd_flask.control.roles import DECODE, PREFILL, PREFILL_DECODE
-from epd_flask.control.roster import DEFAULT_TENANT, Tenant, admits, tenant_of
+from epd_flask.control.roster import ADMITTED_ROLES, DEFAULT_TENANT, Tenant, admits, tenant_of
 from epd_flask.control.roster import Admission as AdmissionSettings
 from epd_flask.core.errors import ClientDisconnected, Overloaded, ProxyError, RateLimited
 from epd_flask.core.events import Events
-from epd_flask.fleet.affinity import estimate_tokens
 from epd_flask.fleet.live import LiveFleet
-from epd_flask.fleet.models import Catalog
 from epd_flask.fleet.saturation import Capacity
 from epd_flask.serving import fields, ratelimit, usage
 from epd_flask.serving.context import RequestContext
 from epd_flask.serving.fairqueue import RANK, FairQueue, Waiter
 from epd_flask.serving.legs import CLIENT_CHECK_INTERVAL
+from epd_flask.serving.pipeline import Plan
 from epd_flask.serving.ratelimit import REQUESTS, TOKENS, Take, Verdict
 from epd_flask.serving.redisstore import Limiter
 
@@ -58,6 +56,8 @@ DEFAULTS = AdmissionSettings()
 #: The reasons a request is refused, as the metrics and the status page name them.
 REASONS = ("queue_full", "queue_timeout", "client_gone", "rate_limit_requests",
            "rate_limit_tokens", "too_large")
+#: How long a stopping worker waits for the charge corrections under way.
+STOP_SECONDS = 2.0
 
 #: (model, the roles the request needs): one pool of capacity, one queue.
 Key = tuple[str | None, tuple[str, ...]]
@@ -141,11 +141,13 @@ class Ticket:
     # -- what the request context reports ---------------------------------------------------
 
     def routed(self, role: str, url: str) -> None:
-        """A routing decision: the reservation of that role becomes a place on ``url``."""
+        """A routing decision: the reservation of that role becomes a place on ``url``. A
+        role the request was not let through for (decode's cache picture showed more of a
+        short prompt to compute, so prefill runs) still holds its place while it runs."""
         if role in self.reserved:
             self.reserved.discard(role)
             self.gate.unreserve(role, self.key[0])
-        if role in self.key[1] and url not in self.holds:
+        if role in ADMITTED_ROLES and url not in self.holds:
             self.holds.add(url)
             self.ran = True
             self.gate.capacity.board.add(url, 1)
@@ -212,11 +214,11 @@ class Ticket:
                 if delta:
                     gives.append(Take(TOKENS, take.capacity, delta))
         if gives:
-            verdict = self.gate.limiter.apply(self.tenant, gives, give=True)
+            # The store is corrected off the request's path (a Redis round trip); the headers
+            # tell the buckets as this request left them, corrected here.
+            self.gate.correct(self.tenant, gives)
             if self.verdict is not None:
-                merged = {lv.kind: lv for lv in self.verdict.levels}
-                merged.update((lv.kind, lv) for lv in verdict.levels)
-                self.verdict = Verdict(True, tuple(merged[t.kind] for t in self.takes))
+                self.verdict = ratelimit.corrected(self.verdict, gives)
 
     def _release_holds(self) -> None:
         board = self.gate.capacity.board
@@ -228,13 +230,11 @@ class Ticket:
 class AdmissionGate:
     """One worker's admission: its queue, its reservations, the tenants' limits."""
 
-    def __init__(self, live: LiveFleet, catalog: Catalog, capacity: Capacity,
-                 limiter: Limiter, recomputes: bool, events: Events | None = None) -> None:
+    def __init__(self, live: LiveFleet, capacity: Capacity, limiter: Limiter,
+                 events: Events | None = None) -> None:
         self.live = live
-        self.catalog = catalog
         self.capacity = capacity
         self.limiter = limiter
-        self.recomputes = recomputes
         self._queues: dict[Key, FairQueue] = {}
         self._reserved: Counter[tuple[str, str | None]] = Counter()
         self.waiting = 0
@@ -242,6 +242,9 @@ class AdmissionGate:
         self.stats: dict[str, TenantStats] = {}
         #: The app's hooks: the metrics hear every count below (docs/behaviour.md#admission).
         self.events = events if events is not None else Events()
+        self._corrections: list[tuple[str, list[Take]]] = []
+        self._started = False
+        self._corrector: gevent.Greenlet | None = None
         live.subscribe(self._reconfigure)
         self._reconfigure(None, live.view)
 
@@ -249,7 +252,16 @@ class AdmissionGate:
     def enabled(self) -> bool:
         return self.capacity.active
 
+    def start(self) -> None:
+        """In the worker: publish its load to its siblings once admission is on (a roster
+        without it leaves serving as it is without admission: no file, no count)."""
+        self._started = True
+        if self.capacity.active:
+            self.capacity.board.start()
+
     def _reconfigure(self, old: Any, new: Any) -> None:
+        if self._started and self.capacity.active:
+            self.capacity.board.start()
         settings = new.settings.admission or DEFAULTS
         if admits(new.settings, new.tenants, new.instances):
             self.events.admission_tenants.fire(
@@ -280,16 +292,16 @@ class AdmissionGate:
         return name if name is not None and name in self.live.view.tenants else DEFAULT_TENANT
 
     def admit(self, ctx: RequestContext, path_is_chat: bool, body: dict[str, Any],
-              tenant: str) -> tuple[dict[str, Any], Ticket]:
+              tenant: str, plan: Plan) -> tuple[dict[str, Any], Ticket]:
         """Let the request through (perhaps after a wait), or raise why not; the body to send
-        (with vLLM's ``priority`` when the roster forwards it) and the request's ticket."""
+        (with vLLM's ``priority`` when the roster forwards it) and the request's ticket.
+        ``plan``: the pipeline's for the request (its model, estimate and roles)."""
         view = self.live.view
         settings = view.settings.admission or DEFAULTS
         record = tenant_of(view.tenants, tenant)
-        model = self.catalog.resolve(body.get("model"))
-        prompt = estimate_tokens(body)
+        prompt = plan.request.prompt_tokens
         tokens = requested_tokens(path_is_chat, body, prompt)
-        ticket = Ticket(self, tenant, record, (model, self._roles(prompt)), prompt, tokens,
+        ticket = Ticket(self, tenant, record, (plan.request.model, plan.roles), prompt, tokens,
                         fields.streams(body))
         ctx.tenant = tenant
         if record.limited:
@@ -340,16 +352,29 @@ class AdmissionGate:
                        *ratelimit.headers(verdict.levels))
         raise err
 
-    # -- capacity ------------------------------------------------------------------------
+    def correct(self, tenant: str, gives: list[Take]) -> None:
+        """Give ``tenant``'s buckets ``gives`` (what its answer used instead of the
+        estimate) from a greenlet of their own: the request does not wait for the store."""
+        self._corrections.append((tenant, gives))
+        if self._corrector is None:
+            self._corrector = gevent.spawn(self._apply_corrections)
 
-    def _roles(self, prompt: int) -> tuple[str, ...]:
-        view = self.live.view
-        if view.combined:
-            return (PREFILL_DECODE,)
-        floor = view.settings.disaggregate_min_prompt_tokens
-        if floor > 0 and prompt < floor and self.recomputes:
-            return (DECODE,)
-        return (DECODE, PREFILL)
+    def _apply_corrections(self) -> None:
+        """Every correction waiting, one store operation per tenant (those that arrive
+        meanwhile in the next round)."""
+        try:
+            while self._corrections:
+                batch, self._corrections = self._corrections, []
+                for tenant, gives in ratelimit.merged(batch).items():
+                    try:
+                        self.limiter.apply(tenant, gives, give=True)
+                    except Exception:
+                        logger.exception("admission: correcting tenant %s's rate-limit "
+                                         "charge failed", tenant)
+        finally:
+            self._corrector = None
+
+    # -- capacity ------------------------------------------------------------------------
 
     def _room(self, key: Key) -> bool:
         model, roles = key
@@ -484,7 +509,13 @@ class AdmissionGate:
     def stop(self) -> None:
         if self._poller is not None:
             self._poller.kill(block=False)
+        corrector = self._corrector
+        if corrector is not None:
+            corrector.join(STOP_SECONDS)
+        if self._corrections:
+            self._apply_corrections()  # still owed: given before the store closes
         self.limiter.close()
+        self.capacity.board.stop()
 
     def snapshot(self) -> dict[str, Any]:
         """Per tenant: its record, what it did on this worker and, for a limited tenant, its

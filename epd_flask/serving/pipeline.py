@@ -73,6 +73,17 @@ class Reply:
     body: Iterable[bytes] | bytes
 
 
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What a completion needs known before it is admitted or routed, worked out once per
+    request: its routing keys and prompt estimate (``request``, for the model ``ctx.model``
+    resolves to) and the roles it runs on (``roles``: what admission reserves and routing
+    picks, docs/behaviour.md#admission)."""
+
+    request: RouteRequest
+    roles: tuple[str, ...]
+
+
 @dataclass
 class Opened:
     """Decode's answer as far as it was read before replying: the rest of a stream to relay
@@ -113,25 +124,43 @@ class Pipeline:
             return False, "no live prefill instance"
         return self.router.ready(PREFILL)
 
-    def completion(self, path: str, body: dict[str, Any], ctx: RequestContext) -> Reply:
-        """Serve /v1/completions or /v1/chat/completions, retrying before the first byte."""
+    def plan(self, body: dict[str, Any], ctx: RequestContext) -> Plan:
+        """The request's model (set on ``ctx``), routing keys, estimate and roles."""
         # Every stage is picked among instances serving the model (docs/behaviour.md#models);
         # the body goes upstream as the client wrote it, model absent or not.
         ctx.model = self.catalog.resolve(body.get("model"))
-        return legs.unless_client_leaves(ctx.client_gone, self._attempts, path, body, ctx)
+        request = route_request(body, ctx.session, ctx.model)
+        return Plan(request, self.roles(request.prompt_tokens))
 
-    def _attempts(self, path: str, body: dict[str, Any], ctx: RequestContext) -> Reply:
+    def roles(self, prompt_tokens: int) -> tuple[str, ...]:
+        """The roles a completion of ``prompt_tokens`` (estimated) runs on: the one answer
+        admission reserves capacity by and routing follows. A prompt under
+        ``disaggregate_min_prompt_tokens`` goes to decode alone, unless decode's cache picture
+        then shows more of it to compute (``_skips_prefill``)."""
+        if self.live.view.combined:
+            return (PREFILL_DECODE,)
+        return (DECODE,) if prompt_tokens < self._disaggregation_floor() else (DECODE, PREFILL)
+
+    def completion(self, path: str, body: dict[str, Any], ctx: RequestContext,
+                   plan: Plan | None = None) -> Reply:
+        """Serve /v1/completions or /v1/chat/completions, retrying before the first byte;
+        ``plan``: the request's, when admission already worked it out."""
+        if plan is None:
+            plan = self.plan(body, ctx)
+        return legs.unless_client_leaves(ctx.client_gone, self._attempts, path, body, ctx,
+                                         plan)
+
+    def _attempts(self, path: str, body: dict[str, Any], ctx: RequestContext,
+                  plan: Plan) -> Reply:
         """The request's attempts: what routing may know of it is computed once (its keys,
         and its tokens when a policy reads them), then each attempt excludes the instances
         earlier ones failed on."""
+        roles = plan.roles
+        request = self.router.with_tokens(plan.request, roles, body, ctx.upstream_headers,
+                                          held_on=DECODE if self._disaggregation_floor()
+                                          and PREFILL_DECODE not in roles else None,
+                                          trace=ctx.trace)
         view = self.live.view
-        request = route_request(body, ctx.session, ctx.model)
-        floor = self._disaggregation_floor()
-        roles = (PREFILL_DECODE,) if view.combined else \
-            (DECODE,) if request.prompt_tokens < floor else (DECODE, PREFILL)
-        request = self.router.with_tokens(request, roles, body, ctx.upstream_headers,
-                                          held_on=DECODE if floor and not view.combined
-                                          else None, trace=ctx.trace)
         ctx.on_leg = partial(self.registry.track, tokens=request.prompt_tokens)
         attempts = view.settings.decode_retries + 1
         for attempt in range(attempts):

@@ -89,6 +89,35 @@ def decide(levels: Sequence[float], takes: Sequence[Take], give: bool) -> Verdic
                                   for lv, t in zip(after, takes, strict=True)), wait, short)
 
 
+def corrected(verdict: Verdict, gives: Sequence[Take]) -> Verdict:
+    """``verdict``'s levels after ``gives`` (as a store would leave them, without the refill
+    since): what an answer's headers tell once its charge is corrected."""
+    amounts = {t.kind: t.amount for t in gives}
+    levels = []
+    for lv in verdict.levels:
+        if lv.kind in amounts:
+            left = min(float(lv.limit), lv.remaining - amounts[lv.kind])
+            lv = Level(lv.kind, lv.limit, left, until_full(left, lv.limit))
+        levels.append(lv)
+    return Verdict(verdict.allowed, tuple(levels), verdict.retry_after, verdict.short)
+
+
+def merged(corrections: Sequence[tuple[str, Sequence[Take]]]) -> dict[str, list[Take]]:
+    """Corrections per tenant, one take per bucket (their amounts summed, at the latest
+    capacity; those that cancel out left out)."""
+    sums: dict[str, dict[str, tuple[int, float]]] = {}
+    for tenant, takes in corrections:
+        per = sums.setdefault(tenant, {})
+        for take in takes:
+            per[take.kind] = (take.capacity, per.get(take.kind, (0, 0.0))[1] + take.amount)
+    out = {}
+    for tenant, per in sums.items():
+        takes = [Take(kind, cap, amount) for kind, (cap, amount) in per.items() if amount]
+        if takes:
+            out[tenant] = takes
+    return out
+
+
 class Store(Protocol):
     name: str
 

@@ -14,6 +14,7 @@ short timeouts): a request must not wait on a store that is down, and the next a
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -118,7 +119,9 @@ class Limiter:
     whether it answered its latest call (told to ``events``' ``admission_store``)."""
 
     def __init__(self, state_dir: str | None, events: Events | None = None) -> None:
-        self.local: Store = local_store(state_dir)
+        self._state_dir = state_dir
+        self._local: Store | None = None
+        self._local_pid = 0
         self._url = ""
         self._shared: RedisStore | None = None
         self._retry_at = 0.0
@@ -129,6 +132,17 @@ class Limiter:
         if up != self.up:
             self.up = up
             self._events.admission_store.fire(up)
+
+    @property
+    def local(self) -> Store:
+        """The host's buckets, opened at first use by this process: a descriptor opened
+        before a fork would share its ``flock`` with the other process (the lock belongs to
+        the open file), so neither would exclude the other; and a worker whose tenants have
+        no limit opens nothing."""
+        pid = os.getpid()
+        if self._local is None or self._local_pid != pid:
+            self._local, self._local_pid = local_store(self._state_dir), pid
+        return self._local
 
     def configure(self, url: str) -> None:
         """Use the store at ``url`` (empty: none) from the next request on."""
@@ -165,6 +179,7 @@ class Limiter:
         if self._shared is not None:
             self._shared.close()
             self._shared = None
-        close = getattr(self.local, "close", None)
-        if close is not None:
+        local, self._local = self._local, None
+        close = getattr(local, "close", None)
+        if close is not None and self._local_pid == os.getpid():
             close()

@@ -175,12 +175,13 @@ def completion(req: Request, svc: Services) -> Response:
         cooperate.after_step(len(raw))
         validation.check_completion(req.path, body)
         body = edge.without_proxy_fields(body)
-        gate, ticket = svc.admission, None
+        gate, ticket, plan = svc.admission, None, None
         if gate is not None and gate.enabled:
             # docs/behaviour.md#admission: refused, or let through after a wait for capacity
+            plan = svc.pipeline.plan(body, ctx)
             body, ticket = gate.admit(ctx, req.path == CHAT_PATH, body,
-                                      gate.tenant_of(req.headers.get, key_tenant))
-        reply = svc.pipeline.completion(req.path, body, ctx)
+                                      gate.tenant_of(req.headers.get, key_tenant), plan)
+        reply = svc.pipeline.completion(req.path, body, ctx, plan)
         if ticket is not None:
             reply.headers.extend(ticket.answered(reply.body))
     return _respond(reply)

@@ -88,7 +88,7 @@ class Services:
         if self.tracing is not None:
             self.tracing.start()
         if self.admission is not None:
-            self.admission.capacity.board.start()
+            self.admission.start()
 
     def stop(self) -> None:
         self.drain.stop()
@@ -105,7 +105,6 @@ class Services:
             self.tracing.stop()
         if self.admission is not None:
             self.admission.stop()
-            self.admission.capacity.board.stop()
         self.transport.close()
 
 

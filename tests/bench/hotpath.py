@@ -129,7 +129,8 @@ def main() -> None:
         "instances": [{"role": "prefill", "url": PREFILL, "max_concurrency": 64},
                       {"role": "decode", "url": DECODE, "max_concurrency": 64}]}, "bench"))
 
-    def completion(path: str, body: dict[str, Any], ctx: RequestContext) -> Reply:
+    def completion(path: str, body: dict[str, Any], ctx: RequestContext,
+                   plan: object = None) -> Reply:
         ctx.model = "m"
         for role, url in (("prefill", PREFILL), ("decode", DECODE)):
             ctx.decided(role, Decision(Placement(Instance(role=role, url=url)), "round_robin",

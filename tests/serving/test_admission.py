@@ -12,6 +12,9 @@ from typing import Any
 import gevent
 import requests
 
+from epd_flask.control.roles import DECODE, PREFILL
+from epd_flask.control.roster import Tenant, parse
+from epd_flask.serving.admission import Ticket
 from tests.bodies import chat
 from tests.helpers import RawStream, eventually
 from tests.rosters import roster
@@ -199,3 +202,39 @@ def test_a_full_queue_refuses_the_request_that_would_go_last(sim, proxy) -> None
     assert high.get(timeout=40).status_code == 200
     assert "low waits" not in arrivals(server)
     assert gate.snapshot()["tenants"]["batch"]["rejected"] == {"queue_full": 1}
+
+
+def test_without_admission_a_worker_opens_no_file_until_a_roster_turns_it_on(sim, proxy,
+                                                                             tmp_path) -> None:
+    """A roster without admission serves as before it existed: nothing counted, no file."""
+    server = sim("prefill_decode")
+    px = proxy(roster(combined=[server]), probes=True, state_dir=str(tmp_path))
+    assert post(px, "a", "no admission").status_code == 200
+    assert "x-ratelimit-limit-requests" not in post(px, "a", "again").headers
+
+    def files() -> list[str]:
+        return sorted(p.name.split("-")[0] for p in tmp_path.iterdir()
+                      if p.name.startswith(("load-", "ratelimit")))
+    assert files() == []
+    doc = roster(combined=[(server, {"max_concurrency": 1})], admission=ADMISSION)
+    doc["tenants"] = {"a": {"requests_per_minute": 100}}
+    px.services.live.adopt(parse(doc, "test roster"), 2)
+    assert post(px, "a", "with admission").headers["x-ratelimit-limit-requests"] == "100"
+    assert files() == ["load", "ratelimit.bin"]
+
+
+def test_a_role_routed_beyond_the_admitted_ones_holds_its_place_while_it_runs(sim,
+                                                                            proxy) -> None:
+    """A short prompt is let through for decode alone; when decode's cache picture then shows
+    more of it to compute, prefill runs too, and its place there counts until the end."""
+    prefill, decode = sim("prefill"), sim("decode")
+    px = proxy(roster([(prefill, {"max_concurrency": 1})], [decode],
+                      admission=ADMISSION))
+    gate = px.services.admission
+    ticket = Ticket(gate, "a", Tenant(), (None, (DECODE,)), 10, 10, False)
+    ticket.routed(DECODE, decode.url)
+    ticket.routed(PREFILL, prefill.url)
+    assert gate.capacity.full(px.services.live.view.instances[0])
+    assert not gate.capacity.room(PREFILL, None)
+    ticket.retried()
+    assert gate.capacity.room(PREFILL, None)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from epd_flask.control.roster import Tenant
 from epd_flask.serving import ratelimit
 from epd_flask.serving.admission import requested_tokens, usage_total
 from epd_flask.serving.ratelimit import HostStore, MemoryStore, Take
+from epd_flask.serving.redisstore import Limiter
 
 
 def test_a_bucket_holds_a_minute_and_refills_at_a_sixtieth_per_second() -> None:
@@ -90,3 +93,47 @@ def test_what_a_request_may_use() -> None:
 ])
 def test_the_answers_usage_is_read_where_it_is(data: bytes, total: int | None) -> None:
     assert usage_total(data) == total
+
+
+def test_an_answers_headers_tell_the_buckets_after_its_correction() -> None:
+    taken = ratelimit.decide([10.0, 1000.0], [Take("requests", 10, 1), Take("tokens", 1000, 300)],
+                             give=False)
+    # It used 120 of the 300 reserved, and it never ran (its request goes back too).
+    after = ratelimit.corrected(taken, [Take("requests", 10, -1), Take("tokens", 1000, -180)])
+    assert [lv.remaining for lv in after.levels] == [10.0, 880.0]
+    assert after.levels[0].reset == 0.0 and after.levels[1].reset == pytest.approx(7.2)
+    over = ratelimit.corrected(taken, [Take("tokens", 1000, -5000)])
+    assert over.levels[1].remaining == 1000.0  # never past the limit
+
+
+def test_corrections_waiting_together_are_one_operation_per_tenant() -> None:
+    merged = ratelimit.merged([
+        ("a", [Take("tokens", 1000, -50)]), ("b", [Take("requests", 5, -1)]),
+        ("a", [Take("tokens", 1000, 20), Take("requests", 10, -1)]),
+        ("b", [Take("requests", 5, 1)])])
+    assert merged == {"a": [Take("tokens", 1000, -30), Take("requests", 10, -1)]}
+
+
+def test_the_limiter_opens_the_hosts_buckets_in_the_process_that_uses_them(tmp_path) -> None:
+    """A descriptor opened before a fork would share its flock with the child: neither
+    would exclude the other. Nothing is opened until a limited request comes."""
+    limiter = Limiter(str(tmp_path))
+    assert not (tmp_path / "ratelimit.bin").exists()
+    takes = [Take("requests", 3, 1)]
+    assert limiter.apply("t", takes).allowed
+    assert (tmp_path / "ratelimit.bin").exists()
+    parent = limiter.local
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its own descriptor, the same buckets
+        try:
+            child = limiter.local
+            os.write(write, b"%d%d" % (child is not parent,
+                                       limiter.apply("t", takes).levels[0].remaining))
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(read, 16) == b"11"  # a new store, and the parent's take already counted
+    assert limiter.local is parent
+    assert int(limiter.apply("t", takes).levels[0].remaining) == 0  # the child took one
+    limiter.close()
