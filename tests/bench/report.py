@@ -31,6 +31,10 @@ STREAMING = {"b", "c", "d-streams"}
 SLOW_MS = 50  # run.SLOW_ENCODER_MS
 EPD_PROXY = "vllm-epd-proxy"  # run.EPD_PROXY
 TRACED = "epd-flask+tracing"  # run.TRACED
+ADMITTED = "epd-flask+admission"  # run.ADMITTED
+#: Admission configured and the fleet not full may cost at most this much proxy CPU per
+#: request over admission off (a32).
+ADMISSION_CPU_LIMIT = 1.1
 #: Tracing on, every request recorded, may cost at most this much proxy CPU per request
 #: over tracing off (a32).
 TRACING_CPU_LIMIT = 1.2
@@ -270,6 +274,16 @@ def targets_section(table: dict[tuple[str, str, str], dict[str, Any]]) -> list[s
                    f"{'≤ ' + format(TRACING_CPU_LIMIT, 'g') + 'x' if bound else 'vs'} off "
                    f"| {traced['cpu_ms']:.2f} vs {off['cpu_ms']:.2f} ms = {r:.2f}x "
                    f"| {('yes' if r <= TRACING_CPU_LIMIT else 'no') if bound else '-'} |")
+    for (workload, group, target), admitted in table.items():
+        off = get(workload, "epd-flask", group)
+        if target != ADMITTED or not off or not off["cpu_ms"] or admitted["cpu_ms"] is None:
+            continue
+        r = admitted["cpu_ms"] / off["cpu_ms"]
+        bound = workload == "a32"
+        out.append(f"| {group}: proxy CPU/request, admission configured and the fleet not "
+                   f"full {'≤ ' + format(ADMISSION_CPU_LIMIT, 'g') + 'x' if bound else 'vs'} "
+                   f"off | {admitted['cpu_ms']:.2f} vs {off['cpu_ms']:.2f} ms = {r:.2f}x "
+                   f"| {('yes' if r <= ADMISSION_CPU_LIMIT else 'no') if bound else '-'} |")
     a32_direct, a32 = get("a32", "direct"), get("a32", "epd-flask")
     if a32_direct and a32 and a32["rps"]:
         out.append(f"| simulator never the bottleneck | direct-to-decode a32 "

@@ -49,6 +49,11 @@ FD_LIMIT = 8192
 EPD_PROXY = "vllm-epd-proxy"
 #: epd-flask as shipped, with tracing on (``--tracing``): every request traced and exported.
 TRACED = "epd-flask+tracing"
+#: epd-flask with admission control configured (``--admission``): tenants named by a header,
+#: every instance bounded far above the load, so the fleet is never full.
+ADMITTED = "epd-flask+admission"
+#: Its instances' ``max_concurrency``: above any workload's concurrency.
+ADMITTED_SEATS = 1024
 OTLP_SINK = Path(__file__).resolve().parent / "otlpsink.py"
 #: This benchmark's block in docs/benchmarks.md.
 LABEL = "bench"
@@ -348,6 +353,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tracing", action="store_true",
                    help=f"also run {TRACED}: epd-flask with every request traced, its spans "
                    "exported to a collector process (otlpsink.py), side by side")
+    p.add_argument("--admission", action="store_true",
+                   help=f"also run {ADMITTED}: epd-flask with admission control configured "
+                   "(tenants, max_concurrency) and the fleet never full, side by side")
     p.add_argument("--profile", default="",
                    help="directory: record py-spy stacks of the epd-flask worker per workload "
                    "(CPU figures of profiled runs are inflated; don't report them)")
@@ -399,7 +407,8 @@ def main(argv: list[str] | None = None) -> int:
         stall_flag, stall_log = workdir / "stall-probe-on", workdir / "stalls.log"
         if "direct" in targets_wanted:
             targets.append(Target("direct", decode, []))
-        def epd_flask(name: str, env: dict[str, str] | None = None) -> None:
+        def epd_flask(name: str, env: dict[str, str] | None = None,
+                      roster: Path = roster) -> None:
             port = free_port()
             proc = fleet.spawn(name, [str(BIN / "gunicorn"), "-c", str(GUNICORN_CONF),
                                       "wsgi:app"], env={
@@ -421,6 +430,16 @@ def main(argv: list[str] | None = None) -> int:
             sink = f"http://127.0.0.1:{port}"
             wait_up(sink + "/count", proc)
             epd_flask(TRACED, {"OTEL_EXPORTER_OTLP_ENDPOINT": sink})
+        if args.admission:
+            admitted = workdir / "roster-admission.yaml"
+            admitted.write_text(
+                "settings: {connector: nixl, admission: {tenant_header: X-Tenant}}\n"
+                "tenants: {chat: {weight: 4, priority: high}, batch: {priority: low}}\n"
+                "instances:\n"
+                + "".join(f"  - {{role: encode, url: \"{url}\"}}\n" for url, _ in encoders)
+                + f"  - {{role: prefill, url: \"{prefill}\", max_concurrency: {ADMITTED_SEATS}}}\n"
+                f"  - {{role: decode, url: \"{decode}\", max_concurrency: {ADMITTED_SEATS}}}\n")
+            epd_flask(ADMITTED, roster=admitted)
         if "vllm-router" in targets_wanted:
             port = free_port()
             proc = fleet.spawn("vllm-router", [
@@ -458,8 +477,10 @@ def main(argv: list[str] | None = None) -> int:
                     if wl.media and target.name == EPD_PROXY:
                         continue
                     prof = (Path(args.profile) / f"{target.name}-{wl.name}-{rep + 1}.txt"
-                            if args.profile and target.name in ("epd-flask", TRACED) else None)
-                    probe = wl.stall_probe is not None and target.name in ("epd-flask", TRACED)
+                            if args.profile and target.name in ("epd-flask", TRACED, ADMITTED)
+                            else None)
+                    probe = wl.stall_probe is not None and target.name in ("epd-flask", TRACED,
+                                                                            ADMITTED)
                     if probe:
                         stall_flag.touch()
                         time.sleep(0.3)  # the probe notices the flag
