@@ -301,7 +301,8 @@ _ADMISSION_KEYS = (
                   "a request may wait this long for capacity, then 503 `overloaded`",
                   "seconds", gt=0, le=3600),
     RosterSetting("max_queue", int, 1000,
-                  "requests one worker keeps waiting; beyond it 503 `overloaded` at once",
+                  "requests one worker keeps waiting; beyond it the one that would go last "
+                  "is refused (503 `overloaded`)",
                   "requests", ge=0, le=100_000),
     RosterSetting("tenant_header", str, "",
                   "a trusted request header naming the tenant", shown="none"),
