@@ -17,7 +17,8 @@ gunicorn. Parts:
   is not full (docs/behaviour.md#admission);
 - ``limited``: as ``admission``, the request's tenant limited to a million requests and
   tokens a minute (counted in this process: the local store; one Redis round trip more with
-  ``admission.store``);
+  ``admission.store``); each call yields to the hub once, so the greenlet that corrects the
+  charge after the answer runs (and is counted) within the measurement;
 - ``flask``: the same chain with Flask dispatching the completion route;
 - ``observer``: the metric updates of one request (its events, fired directly);
 - ``logline``: the request's log line, formatted and written to a discarding handler
@@ -37,6 +38,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import gevent
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import report
@@ -129,12 +132,18 @@ def main() -> None:
         "instances": [{"role": "prefill", "url": PREFILL, "max_concurrency": 64},
                       {"role": "decode", "url": DECODE, "max_concurrency": 64}]}, "bench"))
 
+    decisions = {role: Decision(Placement(Instance(role=role, url=url)), "round_robin",
+                                "rotation", "")
+                 for role, url in (("prefill", PREFILL), ("decode", DECODE))}
+
     def completion(path: str, body: dict[str, Any], ctx: RequestContext,
                    plan: object = None) -> Reply:
+        # What the pipeline works out first when admission did not (the model, the keys).
+        if plan is None:
+            svc.pipeline.plan(body, ctx)
         ctx.model = "m"
         for role, url in (("prefill", PREFILL), ("decode", DECODE)):
-            ctx.decided(role, Decision(Placement(Instance(role=role, url=url)), "round_robin",
-                                       "rotation", ""))
+            ctx.decided(role, decisions[role])
             ctx.instances[role] = url
             started = time.monotonic()
             with ctx.leg(role, role, url) as call:
@@ -152,11 +161,14 @@ def main() -> None:
     flask_only = InFlightMiddleware(BodyDeadline(fast.inner, svc.config.body_timeout),
                                     svc.inflight) if isinstance(fast, FastPath) else served
 
-    def request(wsgi: Callable[..., Any], **extra: str) -> Callable[[], object]:
+    def request(wsgi: Callable[..., Any], yields: bool = False,
+                **extra: str) -> Callable[[], object]:
         def once() -> object:
             result = wsgi({**environ(), **extra}, start_response)
             body = b"".join(result)
             result.close()
+            if yields:
+                gevent.sleep(0)
             return body
         return once
 
@@ -191,7 +203,8 @@ def main() -> None:
     parts: dict[str, Callable[[], object]] = {
         "app": request(served), "flask": request(flask_only),
         "admission": request(admitted_app.wsgi_app, HTTP_X_TENANT="batch"),
-        "limited": request(admitted_app.wsgi_app, HTTP_X_TENANT="chat"), "observer": observer,
+        "limited": request(admitted_app.wsgi_app, yields=True, HTTP_X_TENANT="chat"),
+        "observer": observer,
         "logline": logline, "format": logline_ctx.log_line}
     rows = []
     for name in args.parts.split(","):
