@@ -40,10 +40,14 @@ LABEL = "tenants"
 INSTANCES = 2
 #: vLLM's --max-num-seqs per engine, and the proxy's max_concurrency to match.
 SEATS = 64
+#: The proxy's max_concurrency per engine (``--bound``; a whole run: the engine's seats).
+BOUND = SEATS
 #: The engines' figures: bench-fleet's 8B model on one H100 (docs/benchmarks.md).
 FIGURES = {"prefill_tokens_per_s": 15000.0, "token_delay": 0.008,
            "token_delay_per_stream": 0.00015, "ttft": 0.0, "output_tokens": 1000}
-DURATION = 20.0
+DURATION = 60.0
+#: The loaded targets: admission sharing by requests, by tokens, none, vllm-router.
+TARGETS = ("requests", "tokens", "none", "router")
 INTERACTIVE_RATE = 2.0
 #: Prompt characters (~4 per token) and answer tokens of each tenant's requests.
 CHAT_PROMPT, CHAT_TOKENS = 6000, 16
@@ -53,6 +57,13 @@ FLOOD = 10.0
 TIMEOUT = 60.0
 QUEUE_TIMEOUT = 10
 MAX_QUEUE = 400
+
+
+def set_run(seconds: float, bound: int) -> None:
+    """A partial run's own length of load and bound (exploration; a whole run keeps the
+    module's)."""
+    global DURATION, BOUND
+    DURATION, BOUND = seconds, bound
 
 
 def words(n_chars: int, rng: random.Random) -> str:
@@ -85,7 +96,7 @@ def roster(urls: list[str], admission: dict[str, Any] | None) -> str:
         lines += ["settings:", f"  admission: {json.dumps(admission)}", "tenants:"]
         lines += [f"  {name}: {{weight: {w}}}" for name, w in WEIGHTS.items()]
     lines.append("instances:")
-    bound = f", max_concurrency: {SEATS}" if admission is not None else ""
+    bound = f", max_concurrency: {BOUND}" if admission is not None else ""
     lines += [f'  - {{role: prefill_decode, url: "{u}"{bound}}}' for u in urls]
     return "\n".join(lines) + "\n"
 
@@ -185,15 +196,18 @@ def measure(args: argparse.Namespace, workdir: Path) -> tuple[list[dict[str, Any
         rows.append(summarize("chat alone, epd-flask with admission", alone,
                               replay(epd, alone), None))
         load = trace(INTERACTIVE_RATE, flood, args.seed + 1)
-        for name, admission in [
-                ("epd-flask, admission (share_by requests)", {**admitted}),
-                ("epd-flask, admission (share_by tokens)", {**admitted, "share_by": "tokens"}),
-                ("epd-flask, no admission", None)]:
+        for key, name, admission in [
+                ("requests", "epd-flask, admission (share_by requests)", {**admitted}),
+                ("tokens", "epd-flask, admission (share_by tokens)",
+                 {**admitted, "share_by": "tokens"}),
+                ("none", "epd-flask, no admission", None)]:
+            if key not in args.targets:
+                continue
             reset(urls)
             target = start_epd(fleet, workdir, urls, admission)
             rows.append(summarize(name, load, replay(target, load), share))
             print(rows[-1], file=sys.stderr)
-        if args.router:
+        if args.router and "router" in args.targets:
             reset(urls)
             rows.append(summarize("vllm-router, --max-concurrent-requests", load,
                                   replay(start_router(fleet, args.router, urls), load), share))
@@ -216,7 +230,7 @@ def render(rows: list[dict[str, Any]], capacity: float, meta: dict[str, Any]) ->
         f"{FIGURES['prefill_tokens_per_s']:.0f} prompt tokens/s, "
         f"{FIGURES['token_delay'] * 1000:.0f} ms per token + "
         f"{FIGURES['token_delay_per_stream'] * 1000:.2f} ms per other running request; "
-        f"`--max-num-seqs {SEATS}` each); epd-flask 1 worker, `max_concurrency: {SEATS}`, "
+        f"`--max-num-seqs {SEATS}` each); epd-flask 1 worker, `max_concurrency: {BOUND}`, "
         f"`queue_timeout: {QUEUE_TIMEOUT}`, `max_queue: {MAX_QUEUE}`, tenants chat "
         f"(weight {WEIGHTS['chat']}) and batch (weight {WEIGHTS['batch']}), one class. "
         f"{DURATION:.0f} s of open-loop load: chat streams ~{CHAT_PROMPT // 4} prompt tokens, "
@@ -249,9 +263,22 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--router", default="", help="vllm-router executable (bench venv)")
     p.add_argument("--seed", type=int, default=7)
-    p.add_argument("--report", type=Path, default=Path(__file__).resolve().parents[2] /
-                   "docs" / "benchmarks.md")
+    p.add_argument("--duration", type=float, default=DURATION,
+                   help="seconds of load per target")
+    p.add_argument("--bound", type=int, default=BOUND,
+                   help="the proxy's max_concurrency per engine")
+    p.add_argument("--targets", default=",".join(TARGETS),
+                   help="which of the loaded targets run (chat alone always does)")
+    p.add_argument("--report", type=Path, default=None,
+                   help="the page whose tenants block the run replaces (default: "
+                   "docs/benchmarks.md for a whole run; none when --duration or --targets "
+                   "or --bound make it a partial one)")
     args = p.parse_args(argv)
+    args.targets = set(args.targets.split(","))
+    partial = args.duration != DURATION or args.targets != set(TARGETS) or args.bound != BOUND
+    if args.report is None and not partial:
+        args.report = report.PAGE
+    set_run(args.duration, args.bound)
     if args.router and not Path(args.router).exists():
         print(f"{args.router} not found; running without vllm-router", file=sys.stderr)
         args.router = ""
@@ -260,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         rows, capacity = measure(args, Path(tmp))
     text = render(rows, capacity, meta)
     print(text)
-    report.write_section(args.report, LABEL, text)
+    if args.report:
+        report.write_section(args.report, LABEL, text)
     return 0
 
 
