@@ -261,7 +261,7 @@ class Pipeline:
             return None
         held = self.router.held(decode, request)
         if held is None or request.tokens is None:
-            return "short" if request.prompt_tokens < floor else None
+            return "short" if PREFILL not in self.roles(request.prompt_tokens) else None
         return f"held={held}/{len(request.tokens)}" \
             if len(request.tokens) - held < floor else None
 
