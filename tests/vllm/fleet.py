@@ -416,6 +416,13 @@ def _mooncake_pair() -> list[VllmServer]:
     return servers
 
 
+def _priority() -> list[VllmServer]:
+    """One combined server that runs one request at a time and takes waiting ones lowest
+    ``priority`` first (docs/behaviour.md#admission, forward_priority)."""
+    return [start_vllm("priority-pd", "prefill_decode", 0, args=(
+        "--scheduling-policy", "priority", "--max-num-seqs", "1"))]
+
+
 TOPOLOGIES: dict[str, Callable[[], list[VllmServer]]] = {
     "nixl": _nixl,
     # The same pair, for a test that stops one of them: never shared with another module.
@@ -428,6 +435,7 @@ TOPOLOGIES: dict[str, Callable[[], list[VllmServer]]] = {
     "models": _models,
     "kv": _kv,
     "kv-decode": _kv_decode,
+    "priority": _priority,
 }
 #: The topologies that can run with vLLM's tracing on (``Fleet.up(name, traces=URL)``).
 TRACED_TOPOLOGIES: dict[str, Callable[[str], list[VllmServer]]] = {"nixl": _nixl}
