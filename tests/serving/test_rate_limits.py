@@ -13,6 +13,7 @@ import gevent
 import openai
 import requests
 
+from epd_flask.serving.ratelimit import TOKENS, HostStore, Take
 from tests.bodies import chat
 from tests.helpers import sample, scrape
 from tests.rosters import roster
@@ -133,3 +134,22 @@ def test_without_a_store_each_host_enforces_its_own_limit(sim, proxy) -> None:
     statuses = [post(hosts[n % 2]).status_code for n in range(8)]
     assert statuses.count(200) == 6, statuses
     assert math.isclose(statuses.count(429), 2)
+
+
+def test_a_stopping_worker_applies_the_corrections_it_still_owes(sim, proxy, tmp_path) -> None:
+    """The correction an answer owes goes to the store after the answer, from a greenlet;
+    a worker that stops before it ran applies it before closing the store."""
+    server = sim("prefill_decode")
+    doc = roster(combined=[server], admission={"tenant_header": "X-Tenant"})
+    doc["tenants"] = {"limited": {"tokens_per_minute": 6000}}
+    px = proxy(doc, state_dir=str(tmp_path))
+    assert post(px).status_code == 200
+    gate = px.services.admission
+    gate.correct("limited", [Take(TOKENS, 6000, 3000)])  # what an estimate missed
+    gate.stop()  # at once: the correction's greenlet has not run
+    store = HostStore(tmp_path / "ratelimit.bin")
+    try:
+        left = store.apply("limited", [Take(TOKENS, 6000, 0)], give=True).levels[0].remaining
+    finally:
+        store.close()
+    assert left < 3000, left  # the 3,000 were taken (and the request's own charge)
