@@ -110,7 +110,7 @@ bench-fleet: $(STAMP) $(BENCH_VENV)/.installed
 
 ## bench-tenants: an interactive tenant's time to first token beside a batch tenant flooding at
 ## 10x its share: epd-flask with admission control, without it, and vllm-router's concurrency
-## limit, on two simulated engines; replaces its block of docs/benchmarks.md (~8 minutes)
+## limit, on two simulated engines; replaces its block of docs/benchmarks.md (~11 minutes)
 bench-tenants: $(STAMP) $(BENCH_VENV)/.installed
 	$(BIN)/python tests/bench/tenants.py --router $(BENCH_VENV)/bin/vllm-router $(BENCH_ARGS)
 
