@@ -1,8 +1,8 @@
 """The shipped rules and dashboard against a real Prometheus (Debian's package) scraping real
 gunicorn every second, with the metrics key as the shipped configuration shows: after a short
-load with retries, refusals, failures and an eviction, every recording rule and every
-dashboard query has data, and the alerts see the eviction and the shedding under the labels a
-real scrape gives them."""
+load with retries, refusals, failures, waits for capacity and an eviction, every recording
+rule and every dashboard query has data, and the alerts see the eviction and the shedding
+under the labels a real scrape gives them."""
 
 from __future__ import annotations
 
@@ -44,7 +44,10 @@ def test_every_recording_rule_and_dashboard_query_has_data(procs, tmp_path: Path
     p = procs["sim"]("prefill")
     d1 = procs["sim"]("decode", "--token-delay-ms", "20", "--output-tokens", "8")
     d2 = procs["sim"]("decode", "--token-delay-ms", "20", "--output-tokens", "8")
-    roster = rosters.roster([p], [d1, d2], decode_retries=1, probe_interval=1, fail_threshold=1)
+    # Two places on the prefill: of three requests at once, one waits for a place (data for
+    # admission's panels).
+    roster = rosters.roster([(p, {"max_concurrency": 2})], [d1, d2], decode_retries=1,
+                            probe_interval=1, fail_threshold=1)
     gw = procs["gunicorn"](roster, workers=1, env={"EPD_MAX_IN_FLIGHT": "4",
                                                    "EPD_METRICS_KEY": METRICS_KEY})
     assert requests.get(gw.url + "/metrics", timeout=10).status_code == 401

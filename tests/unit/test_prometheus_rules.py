@@ -25,8 +25,11 @@ def promtool(*args: str) -> str:
 
 
 def exported_names() -> set[str]:
-    """Every sample name the proxy can expose, from its metric definitions."""
-    return {sample(metric, part) for metric in Families(CollectorRegistry()).collectors()
+    """Every sample name the proxy can expose, from its metric definitions (admission's and
+    its store's included, which exist only while they are configured)."""
+    families = Families(CollectorRegistry())
+    families.admission_on().store()
+    return {sample(metric, part) for metric in families.collectors()
             for part in (HISTOGRAM_PARTS if kind(metric) == "histogram" else ("",))}
 
 
@@ -62,7 +65,7 @@ def test_every_alert_says_what_to_do_and_how_bad_it_is() -> None:
     alerts = [rule for rule in prom.rules() if "alert" in rule]
     assert {a["alert"] for a in alerts} >= {
         "EPDInstanceEvicted", "EPDHighErrorRatio", "EPDHighTimeToFirstToken", "EPDNotReady",
-        "EPDRosterReloadRejected", "EPDOverloadShedding"}
+        "EPDRosterReloadRejected", "EPDOverloadShedding", "EPDAdmissionStoreDown"}
     for alert in alerts:
         assert alert["labels"]["severity"] in ("warning", "critical"), alert["alert"]
         assert alert["annotations"]["summary"], alert["alert"]
