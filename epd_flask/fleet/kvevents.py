@@ -204,9 +204,11 @@ class Reader:
             watcher = gevent.spawn(self._watch, monitor)
             watcher.link_exception(self._watcher_failed)
             sub.connect(self.endpoint)
-            self._caught_up = time.monotonic()
             while True:
+                idle = not sub.getsockopt(zmq.EVENTS) & zmq.POLLIN
                 frames, extra = self._receive(sub)
+                if idle:  # behind is counted from the first message after a wait, not the wait
+                    self._caught_up = time.monotonic()
                 self._take(frames, extra)
                 if not sub.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                     self._caught_up = time.monotonic()

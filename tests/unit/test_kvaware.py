@@ -549,6 +549,29 @@ def test_a_message_claiming_more_events_than_any_step_has_is_dropped_unread(
         kv.stop()
 
 
+def test_a_burst_after_a_quiet_spell_is_read_not_dropped(
+        publishers: list[Publisher], heard: Heard) -> None:
+    """Behind means finding more queued after every message for a while; a reader that waited
+    for the publisher is not behind when the publisher's next step sends several at once (an
+    engine idle between requests does exactly that)."""
+    registry, kv, router = fleet(publishers, 1, heard.events)
+    url = registry.instances()[0].url
+    kv.sync()
+    try:
+        assert eventually(lambda: connected(kv, 1))
+        publish_until_ready(kv, publishers[0], url, PROMPT)
+        gevent.sleep(kvevents.BEHIND_SECONDS * 1.5)
+        burst = [[7000 + 10 * n + i for i in range(BLOCK)] for n in range(20)]
+        for tokens in burst:  # all queued before the reader wakes
+            publishers[0].store(tokens)
+        assert eventually(lambda: matched(kv, url, burst[-1]) == 1)
+        assert heard.counts.get((url, "dropped"), 0) == 0
+        _chosen, why = route(router, {"model": "m", "prompt": PROMPT})
+        assert not why[0].startswith("prefill:kv_aware(stale,"), why
+    finally:
+        kv.stop()
+
+
 def _frames(seq: int, payload: bytes) -> list[bytes]:
     return [b"kv", seq.to_bytes(8, "big", signed=True), payload]
 
