@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from epd_flask.fleet.kvevents import STALE_SECONDS
 from tests.rosters import roster
 from tests.vllm.checks import CACHED, EXTERNAL, LOCAL, kv_delta, post, unique_prompt
 from tests.vllm.fleet import MODEL_NAME
@@ -36,6 +37,13 @@ def kv_decode(fleet):
         [prefill], [(decode, {"kv_events": f"tcp://127.0.0.1:{decode.kv_events_port}"})],
         connector="nixl", decode_retries=0, disaggregate_min_prompt_tokens=FLOOR))
     time.sleep(1.0)  # the worker's subscriber connects (ZMQ drops what it misses)
+    # A first request and its events: on a busy box the worker's reader may fall behind on
+    # its first messages and drop them, after which it routes by prefix for STALE_SECONDS
+    # (docs/behaviour.md#routing-policies, 6); the test's turns come after that.
+    _complete(proxy.url, unique_prompt("warm-up"))
+    time.sleep(1.0)
+    if "dropped" in proxy.log_text():
+        time.sleep(STALE_SECONDS + 1.0)
     return prefill, decode, proxy
 
 
