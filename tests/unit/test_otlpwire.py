@@ -21,6 +21,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from epd_flask.core.errors import ProxyError
 from epd_flask.observe import otelspans, otlpwire
+from epd_flask.observe.spanqueue import SpanQueue
 from epd_flask.observe.tracing import TraceSettings
 
 
@@ -131,3 +132,37 @@ def test_the_installed_exporter_posts_through_its_own_client() -> None:
     assert otlpwire.poster(OTLPSpanExporter(endpoint="http://127.0.0.1:9/v1/traces")) \
         is not None
     assert otlpwire.poster(Kept()) is None
+
+
+class Posting(Kept):
+    """An exporter with a client that posts bytes, as the SDK's OTLP exporter has."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.posted: list[bytes] = []
+        self._client = SimpleNamespace(export=lambda data: self.posted.append(data)
+                                       or SimpleNamespace(success=True))
+
+
+def test_the_span_queue_posts_encoded_batches_and_leaves_the_rest_to_the_exporter() -> None:
+    exporter = Posting()
+    reports: list[tuple[str | None, int]] = []
+    queue = SpanQueue(exporter, max_queue=10, batch=10, delay=60.0,
+                      report=lambda reason, count: reports.append((reason, count)))
+    made = TracerProvider(resource=Resource.create({}), shutdown_on_exit=False)
+    made.add_span_processor(queue)
+    tracer = made.get_tracer("x")
+    first = tracer.start_span("first")
+    first.end()
+    assert queue.force_flush(5000)
+    assert len(exporter.posted) == 1 and exporter.spans == []
+    assert [s.name for s in decoded_bytes(exporter.posted[0])] == ["first"]
+    tracer.start_span("linked", links=[Link(first.get_span_context())]).end()
+    assert queue.force_flush(5000)
+    assert len(exporter.posted) == 1 and [s.name for s in exporter.spans] == ["linked"]
+    assert reports == [(None, 1), (None, 1)]
+
+
+def decoded_bytes(data: bytes) -> list[Any]:
+    request = ExportTraceServiceRequest.FromString(data)
+    return [span for rs in request.resource_spans for ss in rs.scope_spans for span in ss.spans]
