@@ -53,9 +53,6 @@ class SpanQueue(SpanProcessor):
         self._exporting = BoundedSemaphore(1)
         self._greenlet: gevent.Greenlet | None = None
 
-    def __len__(self) -> int:
-        return len(self._queue)
-
     def on_start(self, span: Span, parent_context: Context | None = None) -> None:
         return None
 
