@@ -264,26 +264,19 @@ def targets_section(table: dict[tuple[str, str, str], dict[str, Any]]) -> list[s
                    f"| p50 {skew['lat_p50']:.1f} ms vs {flat['lat_p50']:.1f} ms with none slow: "
                    f"+{extra:.1f} ms (items run at once: about +{SLOW_MS} ms, not the sum) "
                    f"| {'yes' if 0.7 * SLOW_MS <= extra <= 1.5 * SLOW_MS else 'no'} |")
-    for (workload, group, target), traced in table.items():
-        off = get(workload, "epd-flask", group)
-        if target != TRACED or not off or not off["cpu_ms"] or traced["cpu_ms"] is None:
-            continue
-        r = traced["cpu_ms"] / off["cpu_ms"]
-        bound = workload == "a32"
-        out.append(f"| {group}: proxy CPU/request, tracing on (every request recorded) "
-                   f"{'≤ ' + format(TRACING_CPU_LIMIT, 'g') + 'x' if bound else 'vs'} off "
-                   f"| {traced['cpu_ms']:.2f} vs {off['cpu_ms']:.2f} ms = {r:.2f}x "
-                   f"| {('yes' if r <= TRACING_CPU_LIMIT else 'no') if bound else '-'} |")
-    for (workload, group, target), admitted in table.items():
-        off = get(workload, "epd-flask", group)
-        if target != ADMITTED or not off or not off["cpu_ms"] or admitted["cpu_ms"] is None:
-            continue
-        r = admitted["cpu_ms"] / off["cpu_ms"]
-        bound = workload == "a32"
-        out.append(f"| {group}: proxy CPU/request, admission configured and the fleet not "
-                   f"full {'≤ ' + format(ADMISSION_CPU_LIMIT, 'g') + 'x' if bound else 'vs'} "
-                   f"off | {admitted['cpu_ms']:.2f} vs {off['cpu_ms']:.2f} ms = {r:.2f}x "
-                   f"| {('yes' if r <= ADMISSION_CPU_LIMIT else 'no') if bound else '-'} |")
+    for marker, what, limit in ((TRACED, "tracing on (every request recorded)", TRACING_CPU_LIMIT),
+                                (ADMITTED, "admission configured and the fleet not full",
+                                 ADMISSION_CPU_LIMIT)):
+        for (workload, group, target), row in table.items():
+            off = get(workload, "epd-flask", group)
+            if target != marker or not off or not off["cpu_ms"] or row["cpu_ms"] is None:
+                continue
+            r = row["cpu_ms"] / off["cpu_ms"]
+            bound = workload == "a32"
+            out.append(f"| {group}: proxy CPU/request, {what} "
+                       f"{'≤ ' + format(limit, 'g') + 'x' if bound else 'vs'} off "
+                       f"| {row['cpu_ms']:.2f} vs {off['cpu_ms']:.2f} ms = {r:.2f}x "
+                       f"| {('yes' if r <= limit else 'no') if bound else '-'} |")
     a32_direct, a32 = get("a32", "direct"), get("a32", "epd-flask")
     if a32_direct and a32 and a32["rps"]:
         out.append(f"| simulator never the bottleneck | direct-to-decode a32 "
