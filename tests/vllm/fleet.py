@@ -362,39 +362,35 @@ def kv_events_args(port: int) -> tuple[str, ...]:
                 "endpoint": f"tcp://*:{port}", "topic": "kv"}))
 
 
-def _kv() -> list[VllmServer]:
-    """Two NIXL prefills that publish KV-cache events, and one decode: kv_aware routing's
-    fleet. Three servers on two cores (~4.5 GB)."""
+def _nixl_with_events(prefix: str,
+                      members: tuple[tuple[str, str, str, int, bool], ...]) -> list[VllmServer]:
+    """NIXL servers, each ``(name, role, kv_role, core, publishes KV-cache events)``."""
     servers = []
-    for name, role, kv_role, core in (("prefill-a", "prefill", "kv_producer", 0),
-                                      ("prefill-b", "prefill", "kv_producer", 1),
-                                      ("decode", "decode", "kv_consumer", 0)):
+    for name, role, kv_role, core, publishes in members:
         side = vllm_port()
-        events = vllm_port() if role == "prefill" else None
+        events = vllm_port() if publishes else None
         servers.append(start_vllm(
-            f"kv-{name}", role, core,
+            f"{prefix}-{name}", role, core,
             args=("--kv-transfer-config", kv_config("NixlConnector", kv_role),
                   *(kv_events_args(events) if events else ())),
             env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(side)}, side_channel_port=side,
             **({"kv_events_port": events} if events else {})))
     return servers
+
+
+def _kv() -> list[VllmServer]:
+    """Two NIXL prefills that publish KV-cache events, and one decode: kv_aware routing's
+    fleet. Three servers on two cores (~4.5 GB)."""
+    return _nixl_with_events("kv", (("prefill-a", "prefill", "kv_producer", 0, True),
+                                    ("prefill-b", "prefill", "kv_producer", 1, True),
+                                    ("decode", "decode", "kv_consumer", 0, False)))
 
 
 def _kv_decode() -> list[VllmServer]:
     """One NIXL prefill and one decode with prefix caching that publishes KV-cache events:
     the decode keeps the KV a prefill sent it (selective disaggregation on what it holds)."""
-    servers = []
-    for name, role, kv_role, core in (("prefill", "prefill", "kv_producer", 0),
-                                      ("decode", "decode", "kv_consumer", 1)):
-        side = vllm_port()
-        events = vllm_port() if role == "decode" else None
-        servers.append(start_vllm(
-            f"kv-decode-{name}", role, core,
-            args=("--kv-transfer-config", kv_config("NixlConnector", kv_role),
-                  *(kv_events_args(events) if events else ())),
-            env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(side)}, side_channel_port=side,
-            **({"kv_events_port": events} if events else {})))
-    return servers
+    return _nixl_with_events("kv-decode", (("prefill", "prefill", "kv_producer", 0, False),
+                                           ("decode", "decode", "kv_consumer", 1, True)))
 
 
 def _mooncake_pair() -> list[VllmServer]:
