@@ -15,7 +15,7 @@ from werkzeug.exceptions import HTTPException
 from epd_flask.control.config import ProxyConfig
 from epd_flask.control.reload import boot_roster
 from epd_flask.control.roles import PREFILL
-from epd_flask.control.roster import ADMITTED_ROLES, Roster
+from epd_flask.control.roster import Roster
 from epd_flask.control.statedir import StateDir
 from epd_flask.control.urlpolicy import URLPolicy
 from epd_flask.core import errors
@@ -30,8 +30,8 @@ from epd_flask.fleet.loadboard import LoadBoard
 from epd_flask.fleet.prober import Prober
 from epd_flask.fleet.registry import Registry
 from epd_flask.fleet.rostersync import RosterSync
-from epd_flask.fleet.routing import LiveInstances, Router
-from epd_flask.fleet.saturation import Capacity, RoomySource
+from epd_flask.fleet.routing import Router
+from epd_flask.fleet.saturation import Capacity
 from epd_flask.fleet.sources import Context as SourceContext
 from epd_flask.fleet.sources import build as build_sources
 from epd_flask.observe.metrics import Metrics
@@ -82,9 +82,8 @@ def build_services(config: ProxyConfig, roster: Roster, generation: int = 0, *,
     # Admission (docs/behaviour.md#admission): every role a request may wait for routes
     # among the instances with room first.
     capacity = Capacity(live, LoadBoard(config.state_dir))
-    sources = {role: RoomySource(discovery if role == PREFILL and discovery is not None
-                                 else LiveInstances(live), capacity) for role in ADMITTED_ROLES}
-    router = Router(live, sources=sources,
+    sources = {PREFILL: discovery} if discovery is not None else {}
+    router = Router(live, sources=sources, narrow=capacity.roomy,
                     pictures=kv_events.picture, no_pictures=kv_events.missing,
                     tokenizer=Tokenizer(transport, lambda: live.settings.kv_tokenize_timeout,
                                         backend_auth),

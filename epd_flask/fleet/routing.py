@@ -3,8 +3,9 @@
 
 Every choice goes through ``Router.pick`` (``pick_each`` for a request's media items): the
 role's candidates come from its source (the live instances serving the model, or for a
-Mooncake prefill the (prefill, rank) pairs its bootstrap discovery knows), the role's policy
-chooses among those not excluded, and the caller's ``record`` hears the decision (the request
+Mooncake prefill the (prefill, rank) pairs its bootstrap discovery knows), the router keeps
+those the attempt does not exclude and, with admission, of those the ones with room; the
+role's policy chooses among them, and the caller's ``record`` hears the decision (the request
 context writes it to the log line and the metrics). What a choice may depend on arrives as a
 frozen ``RouteRequest``: nothing reaches a policy through a side channel.
 """
@@ -39,6 +40,9 @@ ENGINE_MAX_AGE = 3
 Readiness = tuple[bool, str]
 #: Hears every decision: (role, decision).
 Record = Callable[[str, Decision], None]
+#: Narrows a role's candidates that are not excluded to those a request should go to first
+#: (admission's instances with room, ``fleet/saturation.py``); never to none.
+Narrow = Callable[[str, list[Placement]], list[Placement]]
 
 
 class CandidateSource(Protocol):
@@ -101,10 +105,12 @@ class Router:
     def __init__(self, live: LiveFleet, sources: Mapping[str, CandidateSource] | None = None,
                  pictures: Callable[[str], CachePicture | None] | None = None,
                  no_pictures: Callable[[Sequence[str]], str] | None = None,
-                 tokenizer: Tokenizer | None = None, seed: int | None = None) -> None:
+                 tokenizer: Tokenizer | None = None, seed: int | None = None,
+                 narrow: Narrow | None = None) -> None:
         self.live = live
         self._default = LiveInstances(live)
         self._sources = dict(sources or {})
+        self._narrow = narrow
         self.tokenizer = tokenizer
         self._seed = seed
         self._env = PolicyEnv(lambda: live.settings,
@@ -161,8 +167,12 @@ class Router:
         return self.source(role).ready()
 
     def _preferred(self, role: str, request: RouteRequest) -> list[Placement]:
+        """The role's candidates less the attempt's exclusions (all of them when nothing
+        else is left), then narrowed (``narrow``): a retry must leave the instance that
+        failed even when the only other one is full (docs/behaviour.md#admission)."""
         found = self.source(role).candidates(role, request.model, request.base)
-        return [c for c in found if c.url not in request.exclude] or found
+        allowed = [c for c in found if c.url not in request.exclude] or found
+        return self._narrow(role, allowed) if self._narrow is not None else allowed
 
     def lightest(self, role: str, request: RouteRequest) -> int:
         """The least load (``load(role).measure``) among the candidates of ``role`` that would

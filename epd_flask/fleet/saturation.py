@@ -9,9 +9,9 @@ holds ``ENGINE_WAITING_FULL`` or more. The engine's figure is as old as its last
 ``engine_metrics_interval``) and does not say how fast it drains: an engine read with a
 backlog of prefills to start held every request of a bounded instance back for a second after
 each read (the benchmark's interactive tenant waited 0.73 s at the median instead of 0.15 s),
-so where the operator gave a bound, the bound decides. Routing prefers instances that are not full
-(``RoomySource``); admission holds a request back while every candidate of a role it needs
-is full.
+so where the operator gave a bound, the bound decides. Among the instances an attempt may use,
+routing prefers those that are not full (``Capacity.roomy``, the router's last narrowing);
+admission holds a request back while every candidate of a role it needs is full.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from epd_flask.control.roster import Instance, admits
+from epd_flask.control.roster import ADMITTED_ROLES, Instance, admits
 from epd_flask.fleet.live import FleetView, LiveFleet
 from epd_flask.fleet.loadboard import LoadBoard
 from epd_flask.fleet.policies import Placement
 from epd_flask.fleet.registry import InstanceState
-from epd_flask.fleet.routing import ENGINE_MAX_AGE, CandidateSource, Readiness
+from epd_flask.fleet.routing import ENGINE_MAX_AGE
 
 #: An engine with this many requests waiting is full. vLLM puts every new request in its
 #: waiting queue until its next step schedules it, so one or two waiting are the ordinary
@@ -110,21 +110,12 @@ class Capacity:
                 return True
         return not candidates
 
-
-class RoomySource:
-    """A role's candidates without the full ones, while any is not full: a request let
-    through goes where there is room (docs/behaviour.md#admission)."""
-
-    def __init__(self, source: CandidateSource, capacity: Capacity) -> None:
-        self.source = source
-        self.capacity = capacity
-
-    def candidates(self, role: str, model: str | None, base: str | None) -> list[Placement]:
-        found = self.source.candidates(role, model, base)
-        if not self.capacity.active or len(found) < 2:
+    def roomy(self, role: str, found: list[Placement]) -> list[Placement]:
+        """``found`` (a role's candidates an attempt may use) without the full ones, while
+        any is not full: a request let through goes where there is room. Applied after the
+        attempt's exclusions, so a retry leaves a failed instance for a full one rather than
+        going back to it (docs/behaviour.md#admission)."""
+        if role not in ADMITTED_ROLES or len(found) < 2 or not self.active:
             return found
-        full = self.capacity.full
+        full = self.full
         return [c for c in found if not full(c.instance)] or found
-
-    def ready(self) -> Readiness:
-        return self.source.ready()

@@ -238,3 +238,26 @@ def test_a_role_routed_beyond_the_admitted_ones_holds_its_place_while_it_runs(si
     assert not gate.capacity.room(PREFILL, None)
     ticket.retried()
     assert gate.capacity.room(PREFILL, None)
+
+
+def test_a_retry_leaves_the_failed_decode_for_a_full_one(sim, proxy) -> None:
+    """Exclusions come before roominess: a decode that failed is not chosen again because the
+    only other one is full; the retry goes there, as it would without admission."""
+    prefill = sim("prefill")
+    decodes = [sim("decode", token_delay=0.05, output_tokens=400) for _ in range(2)]
+    px = proxy(roster([prefill], [(d, {"max_concurrency": 1}) for d in decodes],
+                      admission=ADMISSION, decode_retries=1))
+    first = hold_the_place(px)
+    failing = next(d for d in decodes if d.state.stats()["completions"] == 1)
+    full = next(d for d in decodes if d is not failing)
+    second = hold_the_place(px)
+    assert full.state.stats()["completions"] == 1, "the second stream takes the other place"
+    first.hang_up()
+    gate = px.services.admission
+    eventually(lambda: gate.capacity.room(DECODE, None), what="the first stream's place freed")
+    failing.state.inject(fail_next=2)
+    r = post(px, "a", "retried elsewhere")
+    assert r.status_code == 200, r.text
+    assert failing.state.stats()["failed_injected"] == 1
+    assert full.state.stats()["completions"] == 2
+    second.hang_up()

@@ -14,7 +14,7 @@ from epd_flask.fleet.live import LiveFleet
 from epd_flask.fleet.loadboard import LoadBoard
 from epd_flask.fleet.policies import candidates_of
 from epd_flask.fleet.routing import LiveInstances
-from epd_flask.fleet.saturation import ENGINE_WAITING_FULL, Capacity, RoomySource
+from epd_flask.fleet.saturation import ENGINE_WAITING_FULL, Capacity
 
 A, B = "http://127.0.0.1:9001", "http://127.0.0.1:9002"
 
@@ -110,12 +110,13 @@ def test_an_engine_with_a_queue_is_full_whatever_its_bound() -> None:
 def test_routing_prefers_instances_with_room() -> None:
     live = fleet()
     board = LoadBoard(None)
-    source = RoomySource(LiveInstances(live), Capacity(live, board))
-    assert [c.url for c in source.candidates("prefill_decode", None, None)] == [A, B]
+    capacity = Capacity(live, board)
+    found = LiveInstances(live).candidates("prefill_decode", None, None)
+    assert [c.url for c in capacity.roomy("prefill_decode", found)] == [A, B]
     board.add(A, 2)
-    assert [c.url for c in source.candidates("prefill_decode", None, None)] == [B]
+    assert [c.url for c in capacity.roomy("prefill_decode", found)] == [B]
     board.add(B, 2)  # every one full: all stay candidates (admission held the request back)
-    assert len(source.candidates("prefill_decode", None, None)) == 2
+    assert len(capacity.roomy("prefill_decode", found)) == 2
 
 
 def test_without_admission_nothing_is_filtered() -> None:
@@ -123,5 +124,5 @@ def test_without_admission_nothing_is_filtered() -> None:
                                           {"role": "prefill_decode", "url": B}]}))
     capacity = Capacity(live, LoadBoard(None))
     assert not capacity.active
-    assert candidates_of(live.view.instances) == \
-        RoomySource(LiveInstances(live), capacity).candidates("prefill_decode", None, None)
+    found = LiveInstances(live).candidates("prefill_decode", None, None)
+    assert candidates_of(live.view.instances) == capacity.roomy("prefill_decode", found)
