@@ -44,11 +44,6 @@ def kind(metric: Collector) -> str:
     return str(_family(metric).type)
 
 
-def family_name(metric: Collector) -> str:
-    """The name of ``metric``'s family (a counter's without ``_total``)."""
-    return str(_family(metric).name)
-
-
 def sample(metric: Collector, part: str = "") -> str:
     """The name ``metric``'s samples are exposed under: a counter's ``_total``, a histogram's
     ``part`` (one of ``HISTOGRAM_PARTS``), a gauge's own name."""

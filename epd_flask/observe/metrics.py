@@ -28,10 +28,11 @@ from epd_flask.control.metricsdir import ENV as MULTIPROC_ENV
 from epd_flask.control.statedir import StateDir
 from epd_flask.core.events import Events
 from epd_flask.observe import mpvalues
-from epd_flask.observe.families import Families, family_name
+from epd_flask.observe.families import Families
 from epd_flask.observe.history import History, Key, Snapshot
 from epd_flask.observe.mpdir import MultiprocessDir
 from epd_flask.observe.observer import MetricsObserver
+from epd_flask.observe.shown import Shown
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -65,9 +66,12 @@ class Metrics:
         self.observer = MetricsObserver(self.families)
         self.observer.listen(events)
         self.history = History(self.snapshot)
-        self._dir = MultiprocessDir(
-            multiprocess_dir or "", [family_name(m) for m in self.families.by_model()],
-            self.observer.model_labels.allowed)
+        sources = ([self._registry] if self._registry is not None
+                   else [MultiprocessDir(multiprocess_dir or ""), self.families.reloads])
+        self._shown = CollectorRegistry()
+        models = self.observer.model_labels
+        self._shown.register(Shown(sources, {"model": lambda kind, name: models.allowed(name),
+                                             "instance": self.observer.shown}))
 
     def start(self) -> None:
         self.history.start()
@@ -75,18 +79,10 @@ class Metrics:
     def stop(self) -> None:
         self.history.stop()
 
-    def _collecting_registry(self) -> CollectorRegistry:
-        if self._registry is not None:
-            return self._registry
-        registry = CollectorRegistry()
-        registry.register(self._dir)
-        registry.register(self.families.reloads)
-        return registry
-
     def exposition(self) -> bytes:
         """The ``/metrics`` body: every worker's values summed (or this app's, alone)."""
-        return generate_latest(self._collecting_registry())
+        return generate_latest(self._shown)
 
     def snapshot(self, keys: dict[Key, Key] | None = None) -> Snapshot:
         """Every sample now. ``keys``: see ``Snapshot.of``."""
-        return Snapshot.of(self._collecting_registry().collect(), keys)
+        return Snapshot.of(self._shown.collect(), keys)

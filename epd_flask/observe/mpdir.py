@@ -1,8 +1,7 @@
 """The multiprocess directory as one collector: every worker's values summed at a scrape
-(prometheus_client's own merge), less the series of model names that may not label anything
-now (observe/observer.py's ``ModelLabels``: a worker's files keep every series it ever wrote,
-and only the exposition can leave them out); and the files of workers that have exited folded
-into one archive per kind, so a scrape costs the same after a thousand reloads as after one.
+(prometheus_client's own merge; observe/shown.py leaves out the series of departed models and
+instances), and the files of workers that have exited folded into one archive per kind, so a
+scrape costs the same after a thousand reloads as after one.
 
 Folding: counters and histograms of dead workers are summed into ``counter_archive.db`` and
 ``histogram_archive.db`` (their totals, and so every ``rate()``, carry on), their files
@@ -25,7 +24,7 @@ import glob
 import logging
 import os
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Iterator
 
 import gevent
 from prometheus_client.core import Metric
@@ -67,11 +66,8 @@ def _alive(pid: int) -> bool:
 
 
 class MultiprocessDir(Collector):
-    def __init__(self, path: str, by_model: Collection[str] = (),
-                 allowed: Callable[[str], bool] = lambda name: True) -> None:
+    def __init__(self, path: str) -> None:
         self.path = path
-        self._by_model = frozenset(by_model)
-        self._allowed = allowed
 
     def files(self) -> list[str]:
         return glob.glob(os.path.join(self.path, "*.db"))
@@ -83,11 +79,7 @@ class MultiprocessDir(Collector):
                 metrics = MultiProcessCollector.merge(self.files(), accumulate=True)
             except FileNotFoundError:  # folded under a scrape that waited in vain
                 metrics = MultiProcessCollector.merge(self.files(), accumulate=True)
-        for metric in metrics:
-            if metric.name in self._by_model:
-                metric.samples = [s for s in metric.samples
-                                  if self._allowed(s.labels.get("model", ""))]
-            yield metric
+        yield from metrics
 
     def fold(self) -> int:
         """Fold every dead worker's files, unless another process is folding right now;

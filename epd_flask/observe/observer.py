@@ -18,12 +18,16 @@ from epd_flask.serving.context import FIRST_BYTE, TOTAL, RequestContext
 KNOWN_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
 OTHER_ROUTE = "passthrough"
 NO_INSTANCE = ""
-NO_MODEL = ""
 # A stage spread over several instances at once (encoder fan-out) is timed as a whole.
 SEVERAL_INSTANCES = "several"
 #: Model names no instance serves any more that still label series: a request racing an
 #: unload, or a scrape right after one, still finds its model's series.
 RECENT_MODELS = 32
+#: Instances that left the fleet whose series still show: their last requests drain after
+#: they leave (docs/behaviour.md#discovery), and a scrape right after sees their last counts.
+#: Older ones are left out of the exposition (a churning fleet, pods coming and going, would
+#: otherwise grow it without end) and labelled "" if a straggler still reports one.
+RECENT_INSTANCES = 64
 #: At most this many distinct model labels in an app's life: a multiprocess file keeps every
 #: series it was ever given (prometheus_client cannot remove one), so a fleet churning
 #: adapter names would grow it, and every scrape, without end. Later names count under "".
@@ -41,12 +45,14 @@ def route_label(path: str) -> str:
     return path if path in KNOWN_ROUTES else OTHER_ROUTE
 
 
-class ModelLabels:
-    """Which model names may label a series (docs/behaviour.md#models): the ones some
-    instance serves now, and the ``RECENT_MODELS`` last ones that left; at most
-    ``MAX_MODEL_LABELS`` distinct names in an app's life. Any other name is ``NO_MODEL``."""
+class LabelWindow:
+    """Which names of one kind (models, instances) may label a series: the ones present now,
+    and the ``recent`` last ones that left, so a request racing a departure, or a scrape right
+    after one, still finds its series; with ``most``, at most that many distinct names in an
+    app's life. Any other name is ``""`` (docs/behaviour.md#models, #discovery)."""
 
-    def __init__(self, recent: int = RECENT_MODELS, most: int = MAX_MODEL_LABELS) -> None:
+    def __init__(self, kind: str, recent: int, most: int | None = None) -> None:
+        self.kind = kind
         self.served: frozenset[str] = frozenset()
         self.recent: OrderedDict[str, None] = OrderedDict()
         self.used: set[str] = set()
@@ -55,7 +61,7 @@ class ModelLabels:
         self._warned = False
 
     def update(self, names: Iterable[str]) -> list[str]:
-        """Names served now; returns those no longer allowed to label anything."""
+        """Names present now; returns those no longer allowed to label anything."""
         served = frozenset(names)
         for gone in sorted(self.served - served):
             self.recent[gone] = None
@@ -69,20 +75,20 @@ class ModelLabels:
         return dropped
 
     def allowed(self, name: str) -> bool:
-        return name == NO_MODEL or name in self.served or name in self.recent
+        return name == "" or name in self.served or name in self.recent
 
-    def label(self, model: str | None) -> str:
-        if not model or not self.allowed(model):
-            return NO_MODEL
-        if model not in self.used:
+    def label(self, name: str | None) -> str:
+        if not name or not self.allowed(name):
+            return ""
+        if self._most is not None and name not in self.used:
             if len(self.used) >= self._most:
                 if not self._warned:
                     self._warned = True
-                    logger.warning("metrics: %d model names labelled already; later ones are "
-                                   "counted under model=\"\"", self._most)
-                return NO_MODEL
-            self.used.add(model)
-        return model
+                    logger.warning("metrics: %d %s names labelled already; later ones are "
+                                   "counted under %s=\"\"", self._most, self.kind, self.kind)
+                return ""
+            self.used.add(name)
+        return name
 
 
 class TenantLabels:
@@ -115,10 +121,9 @@ class MetricsObserver:
 
     def __init__(self, families: Families) -> None:
         self.m = families
-        # Every URL any roster of this app listed: the only allowed instance labels.
-        self.known: set[str] = set()
         self.roles_seen: set[str] = set()
-        self.model_labels = ModelLabels()
+        self.model_labels = LabelWindow("model", RECENT_MODELS, MAX_MODEL_LABELS)
+        self.instance_labels = LabelWindow("instance", RECENT_INSTANCES)
         self.tenant_labels = TenantLabels()
         self._children: dict[tuple[object, tuple[str, ...]], Any] = {}
         self._limit: int | None = None
@@ -141,9 +146,20 @@ class MetricsObserver:
         return child
 
     def instance_label(self, url: str | None) -> str:
-        if url and "," in url and all(u in self.known for u in url.split(",")):
+        allowed = self.instance_labels.allowed
+        if url and "," in url and all(allowed(u) for u in url.split(",")):
             return SEVERAL_INSTANCES
-        return url if url in self.known else NO_INSTANCE
+        return self.instance_labels.label(url)
+
+    def shown(self, kind: str, instance: str) -> bool:
+        """Whether the exposition shows a series of this ``instance`` label: a gauge says how
+        things are now, so only while the instance is in the fleet (an alert on
+        ``epd_instance_live == 0`` must not fire for one that left); counts a while longer."""
+        if instance in (NO_INSTANCE, SEVERAL_INSTANCES):
+            return True
+        if kind == "gauge":
+            return instance in self.instance_labels.served
+        return self.instance_labels.allowed(instance)
 
     def request_finished(self, ctx: RequestContext) -> None:
         m = self.m
@@ -223,7 +239,7 @@ class MetricsObserver:
         thousands what it costs a small one (a gauge write per instance was 6 ms per change
         with 1,000 instances)."""
         m = self.m
-        self.known.update(e.url for e in entries)
+        self._forget(self.instance_labels.update(e.url for e in entries))
         counts: dict[str, list[int]] = {role: [0, 0] for role in self.roles_seen}
         before, now = self._live, {}
         for e in entries:
@@ -237,6 +253,13 @@ class MetricsObserver:
             m.instances.labels(role, "live").set(live)
             m.instances.labels(role, "evicted").set(evicted)
         self.roles_seen.update(counts)
+
+    def _forget(self, urls: Iterable[str]) -> None:
+        """Let go of the children kept for instances that may no longer label anything."""
+        gone = set(urls)
+        if gone:
+            for key in [k for k in self._children if gone.intersection(k[1])]:
+                del self._children[key]
 
     def models(self, names: Sequence[str]) -> None:
         for name in self.model_labels.update(names):

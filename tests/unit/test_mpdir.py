@@ -17,6 +17,7 @@ from pathlib import Path
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from epd_flask.observe.mpdir import MultiprocessDir
+from epd_flask.observe.shown import Shown
 
 WORKER = textwrap.dedent("""
     import sys
@@ -90,3 +91,19 @@ def test_a_live_workers_files_stay_and_a_reading_scrape_holds_a_fold_off(
     assert sorted(p.name for p in tmp_path.glob("*.db")) == [
         mine.name, "histogram_archive.db"]
     assert collected(found)[("served_total", (("route", "/v1/completions"),))] == 1
+
+
+def test_the_shown_series_leave_out_departed_labels_in_every_worker_file(
+        tmp_path: Path) -> None:
+    """The exposition filter (observe/shown.py) reads through the multiprocess directory: a
+    series whose label value may no longer show is left out however many workers wrote it,
+    and a label a series does not carry never hides it."""
+    worker(tmp_path, 1)
+    worker(tmp_path, 2)
+    shown = Shown([MultiprocessDir(str(tmp_path))], {"route": lambda kind, v: v != "passthrough",
+                                                     "model": lambda kind, v: False})
+    got = {(s.name, tuple(sorted(s.labels.items()))): s.value
+           for m in shown.collect() for s in m.samples}
+    assert got[("served_total", (("route", "/v1/completions"),))] == 3
+    assert not [k for k in got if ("route", "passthrough") in k[1]]
+    assert got[("took_seconds_count", (("stage", "decode"),))] == 2 + 3

@@ -22,7 +22,7 @@ from epd_flask.core.events import Events
 from epd_flask.observe import plots
 from epd_flask.observe.families import Families
 from epd_flask.observe.metrics import Metrics
-from epd_flask.observe.observer import MetricsObserver, ModelLabels, TenantLabels
+from epd_flask.observe.observer import LabelWindow, MetricsObserver, TenantLabels
 from epd_flask.observe.statuspage import quantile
 from epd_flask.serving.context import DEFAULT_LOG, LogSettings, RequestContext
 
@@ -162,7 +162,7 @@ def test_observer_counts_exactly_through_its_cached_children() -> None:
     ``labels()`` names, and the in-flight limit follows a changed cap."""
     registry = CollectorRegistry()
     obs = MetricsObserver(Families(registry))
-    obs.known.update({"http://p:1", "http://d:1"})
+    obs.instance_labels.update({"http://p:1", "http://d:1"})
     route = "/v1/chat/completions"
     value = registry.get_sample_value
     for _ in range(3):
@@ -192,7 +192,7 @@ def test_an_app_whose_metrics_dir_disagrees_with_its_process_is_refused(
 
 def test_model_labels_are_the_names_served_now_and_a_few_recent_ones(
         caplog: pytest.LogCaptureFixture) -> None:
-    labels = ModelLabels(recent=2, most=4)
+    labels = LabelWindow("model", recent=2, most=4)
     assert labels.update(["a", "b"]) == []
     assert [labels.label(m) for m in ("a", "b", "z", None, "")] == ["a", "b", "", "", ""]
     assert labels.update(["c"]) == []  # a and b left: still labels, for a while
