@@ -1,31 +1,40 @@
-"""A request's spans, made with the OpenTelemetry SDK (docs/behaviour.md#tracing).
+"""A request's spans, as the proxy's own records, under the OpenTelemetry SDK's sampler and
+resource (docs/behaviour.md#tracing).
 
-Imported by ``tracing.Tracing.start`` in a worker, never at import time of the app. The names
-of spans, events and attributes below are a contract with the operators' dashboards and
-queries (the README's "Tracing" section lists them); the GenAI and HTTP semantic conventions'
-names are used where one fits, ``epd.*`` for the proxy's own.
+Imported by ``tracing.Tracing.start`` in a worker, never at import time of the app. The SDK
+decides what it is good at: the sampler (``OTEL_TRACES_SAMPLER``, asked once per trace, at its
+root, with the client's parent), the resource (``OTEL_SERVICE_NAME``,
+``OTEL_RESOURCE_ATTRIBUTES``), the span limits, the W3C propagator reading a client's
+``traceparent``, and the exporter's client and its settings. The spans themselves are
+``spanrecord.SpanRecord``: a request writes three to five, and the SDK's span objects were
+most of what tracing cost it. The names of spans, events and attributes below are a contract
+with the operators' dashboards and queries (the README's "Tracing" section lists them); the
+GenAI and HTTP semantic conventions' names are used where one fits, ``epd.*`` for the
+proxy's own.
 """
 
 from __future__ import annotations
 
 import os
+import random
+import time
 from collections.abc import Callable, Mapping
 from functools import lru_cache
 from typing import Any
 
-from opentelemetry.context import Context
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import OTELResourceDetector, Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.trace import Span, SpanContext, SpanKind, Status, StatusCode, format_trace_id
-from opentelemetry.trace import Tracer as SDKTracer
-from opentelemetry.trace.propagation import set_span_in_context
+from opentelemetry.sdk.trace import SpanLimits, TracerProvider
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import SpanKind, TraceFlags, get_current_span
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from epd_flask import __version__
 from epd_flask.core.errors import ProxyError, instance_label
 from epd_flask.core.tracing import CallTrace
+from epd_flask.observe import otlpwire
 from epd_flask.observe.spanqueue import SpanQueue
+from epd_flask.observe.spanrecord import CLIENT, ERROR, INTERNAL, SERVER, SpanRecord
 from epd_flask.observe.tracing import TraceSettings
 from epd_flask.serving import usage
 from epd_flask.serving.context import RequestContext
@@ -73,49 +82,49 @@ INSTANCE_LABEL = "epd.instance.label"
 
 PROPAGATOR = TraceContextTextMapPropagator()
 
+_now = time.time_ns
+_bits = random.getrandbits  # the SDK's RandomIdGenerator's source (reseeded after a fork)
+_SAMPLED, _RANDOM = TraceFlags.SAMPLED, TraceFlags.RANDOM_TRACE_ID
+
+
+def _span_id() -> int:
+    while True:
+        made = _bits(64)
+        if made:  # 0 is the invalid id
+            return made
+
+
+def _trace_id() -> int:
+    while True:
+        made = _bits(128)
+        if made:
+            return made
+
 
 @lru_cache(maxsize=1024)
 def _label(url: str) -> str:
     return instance_label(url)
 
 
-class _Resource(Resource):
-    """The SDK's resource, its hash computed once: the exporter groups every span it encodes
-    by resource, and the SDK's hash is a JSON dump of the attributes (3 us a span here).
-    A resource never changes once made."""
-
-    _hash: int | None = None
-
-    def __hash__(self) -> int:
-        if self._hash is None:
-            self._hash = super().__hash__()
-        return self._hash
-
-    def __eq__(self, other: object) -> bool:
-        return super().__eq__(other)
-
-
 class Tracer:
-    """One worker's tracer provider, span queue and exporter."""
+    """One worker's sampler, resource, span queue and exporter."""
 
     def __init__(self, settings: TraceSettings,
                  report: Callable[[str | None, int], None]) -> None:
         """``report`` hears what became of finished spans: (None, exported) or (reason,
         lost)."""
         # The service's name and version, and which worker; OTEL_SERVICE_NAME and
-        # OTEL_RESOURCE_ATTRIBUTES override them. The sampler is OTEL_TRACES_SAMPLER's.
-        merged = Resource.create({"service.name": SERVICE_NAME, "service.version": __version__,
-                                  "process.pid": os.getpid()}
-                                 ).merge(OTELResourceDetector().detect())
-        resource = _Resource(merged.attributes, merged.schema_url)
-        self.queue = SpanQueue(OTLPSpanExporter(endpoint=settings.url),
+        # OTEL_RESOURCE_ATTRIBUTES override them.
+        resource = Resource.create({"service.name": SERVICE_NAME, "service.version": __version__,
+                                    "process.pid": os.getpid()}
+                                   ).merge(OTELResourceDetector().detect())
+        # OTEL_TRACES_SAMPLER(_ARG), as the SDK's provider reads them.
+        self.sampler = TracerProvider(resource=resource, shutdown_on_exit=False).sampler
+        encoder = otlpwire.Encoder(resource, InstrumentationScope(SCOPE, __version__),
+                                   SpanLimits())
+        self.queue = SpanQueue(OTLPSpanExporter(endpoint=settings.url), encoder,
                                max_queue=settings.max_queue, batch=settings.batch,
                                delay=settings.delay, report=report)
-        # The queue is the provider's one processor, not one of a list behind the SDK's
-        # multi-processor: that wrapper's loops cost 2.4 of a span's 12 us here.
-        self.provider = TracerProvider(resource=resource, shutdown_on_exit=False,
-                                       active_span_processor=self.queue)  # type: ignore[arg-type]
-        self.tracer = self.provider.get_tracer(SCOPE, __version__)
 
     def start(self) -> None:
         self.queue.start()
@@ -124,88 +133,136 @@ class Tracer:
         return self.queue.force_flush(int(timeout * 1000))
 
     def stop(self) -> None:
-        self.provider.shutdown()
+        self.queue.shutdown()
 
     def begin(self, headers: Mapping[str, str], method: str, path: str, request_id: str,
               upstream_id: str) -> SpanTrace:
-        parent = PROPAGATOR.extract(headers)
+        """The client's trace continued (its ``traceparent``, if valid, is the server span's
+        remote parent), else a new one; the sampler's answer holds for every span of it."""
+        context = PROPAGATOR.extract(headers)
+        parent = get_current_span(context).get_span_context()
         named = path in NAMED_ROUTES
+        name = f"{method} {path}" if named else method
         attributes: dict[str, Any] = {HTTP_METHOD: method, HTTP_ROUTE if named else URL_PATH: path,
                                       REQUEST_ID: request_id, UPSTREAM_ID: upstream_id}
         operation = OPERATIONS.get(path)
         if operation is not None:
             attributes[GEN_AI_OPERATION] = operation
-        root = self.tracer.start_span(f"{method} {path}" if named else method, context=parent,
-                                      kind=SpanKind.SERVER, attributes=attributes)
-        return SpanTrace(self.tracer, root)
+        if parent.is_valid:
+            trace_id, parent_id = parent.trace_id, parent.span_id
+            flags = parent.trace_flags & _RANDOM
+        else:
+            trace_id, parent_id, flags = _trace_id(), 0, _RANDOM
+        result = self.sampler.should_sample(context, trace_id, name, SpanKind.SERVER,
+                                            attributes, ())
+        state = result.trace_state.to_header() if result.trace_state else ""
+        span_id = _span_id()
+        root = None
+        if result.decision.is_sampled():
+            flags |= _SAMPLED
+            extra = result.attributes
+            if extra.keys() - attributes.keys():  # a sampler's own (the SDK's add none)
+                attributes.update(extra)
+            root = SpanRecord(trace_id, span_id, parent_id, parent_id != 0, state, name,
+                              SERVER, _now(), attributes)
+        return SpanTrace(self.queue, trace_id, flags, state, span_id, root)
 
 
 class CallSpan:
-    """One upstream call's span (``core.tracing.CallTrace``)."""
+    """One upstream call's span (``core.tracing.CallTrace``); an unsampled call has no
+    record, only its headers."""
 
-    __slots__ = ("_recording", "_span", "headers")
+    __slots__ = ("_queue", "_record", "headers")
 
-    def __init__(self, span: Span, recording: bool) -> None:
-        self._span = span
-        self._recording = recording
-        self.headers = trace_headers(span.get_span_context())
+    def __init__(self, queue: SpanQueue, record: SpanRecord | None,
+                 headers: dict[str, str]) -> None:
+        self._queue = queue
+        self._record = record
+        self.headers = headers
 
     def first_byte(self) -> None:
-        if self._recording:
-            self._span.add_event(FIRST_BYTE_EVENT)
+        record = self._record
+        if record is not None:
+            event = (FIRST_BYTE_EVENT, _now(), None)
+            if record.events is None:
+                record.events = [event]
+            else:
+                record.events.append(event)
 
     def end(self, status: int | None, error: ProxyError | None) -> None:
-        span = self._span
-        if self._recording:
-            if status is not None:
-                span.set_attribute(HTTP_STATUS, status)
-            if error is not None:
-                span.set_attribute(ERROR_TYPE, error.code)
-                span.set_status(Status(StatusCode.ERROR, error.message))
-            elif status is not None and status >= 400:
-                span.set_attribute(ERROR_TYPE, str(status))
-                span.set_status(Status(StatusCode.ERROR))
-        span.end()
+        record, self._record = self._record, None  # a span ends once
+        if record is None:
+            return
+        attributes = record.attributes
+        assert attributes is not None
+        if status is not None:
+            attributes[HTTP_STATUS] = status
+        if error is not None:
+            attributes[ERROR_TYPE] = error.code
+            record.status, record.message = ERROR, error.message
+        elif status is not None and status >= 400:
+            attributes[ERROR_TYPE] = str(status)
+            record.status = ERROR
+        record.end_ns = _now()
+        self._queue.add(record)
 
 
 class SpanTrace:
     """One request's trace (``core.tracing.RequestTrace``): its server span, a child per
-    upstream call, the relay's span, and what they learnt of the answer's usage."""
+    upstream call, the relay's span, and what they learnt of the answer's usage. Unsampled,
+    it records nothing, and its calls still name spans of their own in their headers."""
 
     __slots__ = (
         "_cached_tokens",
         "_input_tokens",
         "_output_tokens",
-        "_parent",
+        "_prefix",
+        "_queue",
         "_relay",
         "_root",
         "_routing",
-        "_tracer",
+        "_span_id",
+        "_state",
+        "_suffix",
+        "_trace",
         "recording",
         "trace_id",
     )
 
-    def __init__(self, tracer: SDKTracer, root: Span) -> None:
-        self._tracer = tracer
+    def __init__(self, queue: SpanQueue, trace: int, flags: int, state: str, span_id: int,
+                 root: SpanRecord | None) -> None:
+        self._queue = queue
+        self._trace = trace
+        self._state = state
+        self._span_id = span_id
         self._root = root
-        self._parent: Context = set_span_in_context(root)
-        self.trace_id = format_trace_id(root.get_span_context().trace_id)
-        self.recording = root.is_recording()
-        self._relay: Span | None = None
+        self.trace_id = f"{trace:032x}"
+        self.recording = root is not None
+        self._prefix = f"00-{self.trace_id}-"
+        self._suffix = f"-{flags:02x}"
+        self._relay: SpanRecord | None = None
         self._input_tokens: int | None = None
         self._output_tokens: int | None = None
         self._cached_tokens: int | None = None
         self._routing: list[str] = []
 
+    def _child(self, name: str, kind: int, start_ns: int, attributes: dict[str, Any] | None,
+               span_id: int | None = None) -> SpanRecord:
+        return SpanRecord(self._trace, _span_id() if span_id is None else span_id,
+                          self._span_id, False, self._state, name, kind, start_ns, attributes)
+
     def call(self, stage: str, role: str, url: str) -> CallTrace:
-        attributes: dict[str, Any] | None = None
+        span_id = _span_id()
+        headers = {"traceparent": f"{self._prefix}{span_id:016x}{self._suffix}"}
+        if self._state:
+            headers["tracestate"] = self._state
+        record = None
         if self.recording:
-            attributes = {INSTANCE_URL: url, INSTANCE_LABEL: _label(url)}
+            attributes: dict[str, Any] = {INSTANCE_URL: url, INSTANCE_LABEL: _label(url)}
             if role != stage:  # a prefill_decode instance's decode call
                 attributes[ROLE] = role
-        span = self._tracer.start_span(stage, context=self._parent, kind=SpanKind.CLIENT,
-                                       attributes=attributes)
-        return CallSpan(span, self.recording)
+            record = self._child(stage, CLIENT, _now(), attributes, span_id)
+        return CallSpan(self._queue, record, headers)
 
     def decided(self, role: str, policy: str, outcome: str, url: str) -> None:
         # An attribute, not an event per decision: a third of the cost of each.
@@ -213,16 +270,23 @@ class SpanTrace:
             self._routing.append(f"{role}:{policy}:{outcome}:{_label(url)}")
 
     def retried(self, stage: str, code: str) -> None:
-        if self.recording:
-            self._root.add_event(RETRY_EVENT, {STAGE: stage, ERROR_TYPE: code})
+        root = self._root
+        if root is not None:
+            event = (RETRY_EVENT, _now(), {STAGE: stage, ERROR_TYPE: code})
+            if root.events is None:
+                root.events = [event]
+            else:
+                root.events.append(event)
 
     def waited(self, name: str, started_ns: int, ended_ns: int) -> None:
-        span = self._tracer.start_span(name, context=self._parent, start_time=started_ns)
-        span.end(end_time=ended_ns)
+        if self.recording:
+            record = self._child(name, INTERNAL, started_ns, None)
+            record.end_ns = ended_ns
+            self._queue.add(record)
 
     def relaying(self) -> None:
-        if self._relay is None:
-            self._relay = self._tracer.start_span(RELAY, context=self._parent)
+        if self.recording and self._relay is None:
+            self._relay = self._child(RELAY, INTERNAL, _now(), None)
 
     def answer_usage(self, data: bytes) -> None:
         if not self.recording:
@@ -245,52 +309,46 @@ class SpanTrace:
         self._cached_tokens = cached_tokens
 
     def finish(self, ctx: RequestContext, failure: ProxyError | None) -> None:
-        root = self._root
+        root, self._root = self._root, None  # a span ends once
+        if root is None:
+            return
         error_type, message, failed = _outcome(ctx, failure)
-        relay = self._relay
+        relay, self._relay = self._relay, None
+        queue = self._queue
         if relay is not None:
-            if self.recording and error_type is not None:
-                relay.set_attribute(ERROR_TYPE, error_type)
-                if failed:
-                    relay.set_status(Status(StatusCode.ERROR, message))
-            relay.end()
-        if self.recording:
-            # What is worth its cost: every attribute is encoded for every request.
-            attributes: dict[str, Any] = {}
-            if self._routing:
-                attributes[ROUTING] = self._routing
-            if ctx.retries:
-                attributes[RETRIES] = ctx.retries
-            if ctx.chunks:
-                attributes[CHUNKS] = ctx.chunks
-            if ctx.status is not None:
-                attributes[HTTP_STATUS] = ctx.status
-            if ctx.model is not None:
-                attributes[GEN_AI_MODEL] = ctx.model
-            if ctx.tenant is not None:
-                attributes[TENANT] = ctx.tenant
-            if self._input_tokens is not None:
-                attributes[INPUT_TOKENS] = self._input_tokens
-            if self._output_tokens is not None:
-                attributes[OUTPUT_TOKENS] = self._output_tokens
-            if self._cached_tokens is not None:
-                attributes[CACHED_TOKENS] = self._cached_tokens
             if error_type is not None:
-                attributes[ERROR_TYPE] = error_type
-            root.set_attributes(attributes)
-            if failed:
-                root.set_status(Status(StatusCode.ERROR, message))
-        root.end()
-
-
-def trace_headers(context: SpanContext) -> dict[str, str]:
-    """The W3C trace-context headers naming the span of ``context`` (what the SDK's
-    propagator writes, without its detour through a context object per call)."""
-    headers = {"traceparent": f"00-{context.trace_id:032x}-{context.span_id:016x}-"
-                              f"{context.trace_flags:02x}"}
-    if context.trace_state:
-        headers["tracestate"] = context.trace_state.to_header()
-    return headers
+                relay.attributes = {ERROR_TYPE: error_type}
+                if failed:
+                    relay.status, relay.message = ERROR, message
+            relay.end_ns = _now()
+            queue.add(relay)
+        # What is worth its cost: every attribute is encoded for every request.
+        attributes = root.attributes
+        assert attributes is not None
+        if self._routing:
+            attributes[ROUTING] = self._routing
+        if ctx.retries:
+            attributes[RETRIES] = ctx.retries
+        if ctx.chunks:
+            attributes[CHUNKS] = ctx.chunks
+        if ctx.status is not None:
+            attributes[HTTP_STATUS] = ctx.status
+        if ctx.model is not None:
+            attributes[GEN_AI_MODEL] = ctx.model
+        if ctx.tenant is not None:
+            attributes[TENANT] = ctx.tenant
+        if self._input_tokens is not None:
+            attributes[INPUT_TOKENS] = self._input_tokens
+        if self._output_tokens is not None:
+            attributes[OUTPUT_TOKENS] = self._output_tokens
+        if self._cached_tokens is not None:
+            attributes[CACHED_TOKENS] = self._cached_tokens
+        if error_type is not None:
+            attributes[ERROR_TYPE] = error_type
+        if failed:
+            root.status, root.message = ERROR, message
+        root.end_ns = _now()
+        queue.add(root)
 
 
 def _outcome(ctx: RequestContext, failure: ProxyError | None,

@@ -1,8 +1,8 @@
 """Finished spans on their way to the collector: a bounded queue and one export greenlet per
 worker (docs/behaviour.md#tracing).
 
-A request never waits for the collector: ending a span appends it to the queue or, when the
-queue is full, drops it and counts the drop. The greenlet posts batches through the SDK's
+A request never waits for the collector: ending a span appends its record to the queue or,
+when the queue is full, drops it and counts the drop. The greenlet posts batches through the SDK's
 OTLP/HTTP exporter (``requests`` on gevent's sockets), whenever a batch is full or the
 schedule delay passes; a collector that is down or slow holds only this greenlet, for at most
 the exporter's own timeout per batch (``OTEL_EXPORTER_OTLP_TIMEOUT``), while the queue fills
@@ -21,11 +21,10 @@ from collections.abc import Callable, Sequence
 import gevent
 from gevent.event import Event
 from gevent.lock import BoundedSemaphore
-from opentelemetry.context import Context
-from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from epd_flask.observe import otlpwire
+from epd_flask.observe.spanrecord import SpanRecord
 from epd_flask.observe.tracing import EXPORT_FAILED, QUEUE_FULL, SHUTDOWN
 
 logger = logging.getLogger(__name__)
@@ -37,29 +36,25 @@ SHUTDOWN_FLUSH_SECONDS = 3.0
 Report = Callable[[str | None, int], None]
 
 
-class SpanQueue(SpanProcessor):
-    """The span processor of one worker's tracer."""
+class SpanQueue:
+    """Where one worker's finished spans wait for their batch."""
 
-    def __init__(self, exporter: SpanExporter, *, max_queue: int, batch: int, delay: float,
-                 report: Report) -> None:
+    def __init__(self, exporter: SpanExporter, encoder: otlpwire.Encoder, *, max_queue: int,
+                 batch: int, delay: float, report: Report) -> None:
         self._exporter = exporter
+        self._encoder = encoder
         self._post = otlpwire.poster(exporter)
         self._max_queue = max_queue
         self._batch = batch
         self._delay = delay
         self._report = report
-        self._queue: deque[ReadableSpan] = deque()
+        self._queue: deque[SpanRecord] = deque()
         self._wake = Event()
         self._exporting = BoundedSemaphore(1)
         self._greenlet: gevent.Greenlet | None = None
 
-    def on_start(self, span: Span, parent_context: Context | None = None) -> None:
-        return None
-
-    def on_end(self, span: ReadableSpan) -> None:
-        context = span.context
-        if context is None or not context.trace_flags.sampled:
-            return
+    def add(self, span: SpanRecord) -> None:
+        """A sampled span ended."""
         queue = self._queue
         if len(queue) >= self._max_queue:
             self._report(QUEUE_FULL, 1)
@@ -90,7 +85,7 @@ class SpanQueue(SpanProcessor):
                 count = min(self._batch, len(queue))
                 self._export([queue.popleft() for _ in range(count)])
 
-    def _export(self, batch: Sequence[ReadableSpan]) -> None:
+    def _export(self, batch: Sequence[SpanRecord]) -> None:
         """One batch; cut short (a flush's deadline, the worker stopping), it counts as
         failed."""
         sent = False
@@ -101,17 +96,18 @@ class SpanQueue(SpanProcessor):
         finally:
             self._report(None if sent else EXPORT_FAILED, len(batch))
 
-    def _send(self, batch: Sequence[ReadableSpan]) -> bool:
+    def _send(self, batch: Sequence[SpanRecord]) -> bool:
         """Encoded here (otlpwire.py, a third of the SDK's cost) and posted by the
         exporter's own client; what this encoder does not know, the SDK encodes."""
         if self._post is not None:
             try:
-                data = otlpwire.encode(batch)
+                data = self._encoder.encode(batch)
             except TypeError:
                 pass
             else:
                 return self._post(data)
-        return self._exporter.export(batch) is SpanExportResult.SUCCESS
+        readable = [self._encoder.readable(span) for span in batch]
+        return self._exporter.export(readable) is SpanExportResult.SUCCESS
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         """Send every queued span now; False if that took longer than ``timeout_millis``
