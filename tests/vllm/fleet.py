@@ -49,6 +49,16 @@ COMMON_ARGS = ("--max-model-len", "512", "--enforce-eager", "--block-size", "32"
 NICE = ("nice", "-n", "10")
 
 
+#: Where three servers share the two cores (Mooncake routing), the decode's core is its own.
+#: While a request waits for remote KV the decode's engine steps without pause and its worker
+#: spins on sched_yield between steps (vLLM's shared-memory queue busy-polls for 1 s after
+#: each read), so a prefill pinned to the same core gets next to no CPU: the decode waited for
+#: KV that prefill could not compute or send until the client gave up (its prefill leg took
+#: 123.7 s, and finished 0.3 s after its worker was moved to the other core by hand).
+DECODE_CORE = 1
+PREFILL_CORE = 0
+
+
 def vllm_env(core: int) -> dict[str, str]:
     """The environment every server needs here (facts from shared/realvllm/README.md)."""
     return {
@@ -395,12 +405,14 @@ def _kv_decode() -> list[VllmServer]:
 
 def _mooncake_pair() -> list[VllmServer]:
     """Two Mooncake prefills with prefix caching (each reporting its cached tokens) and one
-    decode: routing among Mooncake's (prefill, rank) pairs. Three servers on two cores."""
+    decode: routing among Mooncake's (prefill, rank) pairs. Three servers on two cores: the
+    prefills share one, which neither waits on the other for, and the decode has the other
+    (``DECODE_CORE``)."""
     servers = []
     extra = {"mooncake_protocol": "tcp"}
-    for name, role, kv_role, core in (("prefill-a", "prefill", "kv_producer", 0),
-                                      ("prefill-b", "prefill", "kv_producer", 1),
-                                      ("decode", "decode", "kv_consumer", 0)):
+    for name, role, kv_role, core in (("prefill-a", "prefill", "kv_producer", PREFILL_CORE),
+                                      ("prefill-b", "prefill", "kv_producer", PREFILL_CORE),
+                                      ("decode", "decode", "kv_consumer", DECODE_CORE)):
         boot = vllm_port()
         caching = ("--enable-prefix-caching", "--enable-prompt-tokens-details") \
             if role == "prefill" else ()
