@@ -64,9 +64,12 @@ def build_services(config: ProxyConfig, roster: Roster, generation: int = 0, *,
     events = Events()
     # Before anything below fires.
     metrics = Metrics(events, config.prometheus_multiproc_dir, config.state_dir)
+    # The host's open calls and running requests per instance, shared by its workers
+    # (routing's load, admission's bounds).
+    board = LoadBoard(config.state_dir)
     live = LiveFleet(roster, generation,
                      Registry(roster.instances, settings.fail_threshold, settings.evicted_ttl,
-                              events=events))
+                              events=events, board=board))
     transport = Transport(
         settings.connect_timeout, config.pool_maxsize,
         idle_timeout=config.upstream_idle_timeout, keepalive=config.upstream_keepalive,
@@ -81,7 +84,7 @@ def build_services(config: ProxyConfig, roster: Roster, generation: int = 0, *,
     discovery = BootstrapDiscovery(live, transport) if connector.bootstrap else None
     # Admission (docs/behaviour.md#admission): every role a request may wait for routes
     # among the instances with room first.
-    capacity = Capacity(live, LoadBoard(config.state_dir))
+    capacity = Capacity(live, board)
     sources = {PREFILL: discovery} if discovery is not None else {}
     router = Router(live, sources=sources, narrow=capacity.roomy,
                     pictures=kv_events.picture, no_pictures=kv_events.missing,

@@ -1,5 +1,7 @@
-"""The requests this proxy host has running on each instance, summed over the workers of one
-gunicorn master: what ``max_concurrency`` is compared with (docs/behaviour.md#admission).
+"""What this proxy host has open on each instance, summed over the workers of one gunicorn
+master: the requests running there, which ``max_concurrency`` is compared with
+(docs/behaviour.md#admission), and the upstream calls open there with their estimated prompt
+tokens, which routing's load counts (docs/behaviour.md#routing-policies).
 
 Each worker writes its own counts into a small file of its own in the state directory, which it
 alone writes (one aligned 8-byte store per change, no lock), and reads its siblings' files
@@ -11,9 +13,10 @@ file per worker needs none, and a reader's sum is a handful of aligned loads. A 
 in-process tests); a file whose worker died is skipped from the next refresh on (its pid is
 gone) and removed by the master when it reaps the worker, or by the worker when it stops.
 
-A file: a header (magic, a layout generation, slots used), then slots of (key, count), the key
-being the first 8 bytes of blake2b of the instance's URL. Slots are appended; a full file is
-compacted (slots at 0 dropped) under a new generation, which tells readers to index it again.
+A file: a header (magic, a layout generation, slots used), then slots of (key, one count per
+field: ``RUNNING``, ``CALLS``, ``TOKENS``), the key being the first 8 bytes of blake2b of the
+instance's URL. Slots are appended; a full file is compacted (slots whose counts are all 0
+dropped) under a new generation, which tells readers to index it again.
 """
 
 from __future__ import annotations
@@ -32,15 +35,29 @@ from epd_flask.control.statedir import LOAD_PREFIX, LOAD_SUFFIX, running
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"EPDLOAD1"
+MAGIC = b"EPDLOAD2"
 HEADER = struct.Struct("<8sQQ")  # magic, generation, slots used
-SLOT = struct.Struct("<Qq")  # key, count
+#: The counts of a slot: the requests admission let run there; the upstream calls open there;
+#: the estimated prompt tokens of those calls.
+RUNNING, CALLS, TOKENS = 0, 1, 2
+FIELDS = 3
+SLOT = struct.Struct(f"<Q{FIELDS}q")  # key, counts
+COUNTS = struct.Struct(f"<{FIELDS}q")
 COUNT = struct.Struct("<q")
+NONE = (0,) * FIELDS
 #: Instances one worker's file can hold at once; past that the file is compacted.
 SLOTS = 4096
 SIZE = HEADER.size + SLOTS * SLOT.size
-#: How often a reader looks for workers that started or died.
+#: How often a reader looks for workers that started or died (a look lists the directory,
+#: ~20 us); and how often it checks whether the directory changed (a stat, ~2 us), which looks
+#: again at once: routing reads the board from a worker's first engine read on, at boot, often
+#: before its siblings have made their files, which then count from their first request. A
+#: directory changed within ``RECENT_NS`` is looked at on every check: its time stamp is as
+#: coarse as the kernel's clock tick, so a file made in the same tick as the last check would
+#: leave it as it was.
 REFRESH_SECONDS = 1.0
+CHANGED_SECONDS = 0.05
+RECENT_NS = 200_000_000
 
 _apps = itertools.count()
 
@@ -63,10 +80,10 @@ class _Sibling:
         self.used = 0
         self.index: dict[int, int] = {}
 
-    def count(self, key: int) -> int:
+    def counts(self, key: int) -> tuple[int, ...]:
         magic, generation, used = HEADER.unpack_from(self.map, 0)
         if magic != MAGIC or generation & 1:
-            return 0  # not written yet, or being compacted right now: a moment's undercount
+            return NONE  # not written yet, being compacted right now (a moment's undercount)
         if generation != self.generation:
             self.generation, self.used, self.index = generation, 0, {}
         if used != self.used:
@@ -75,7 +92,7 @@ class _Sibling:
                 self.index[SLOT.unpack_from(self.map, offset)[0]] = offset + 8
             self.used = used
         offset = self.index.get(key)
-        return COUNT.unpack_from(self.map, offset)[0] if offset is not None else 0
+        return COUNTS.unpack_from(self.map, offset) if offset is not None else NONE
 
     def close(self) -> None:
         with contextlib.suppress(BufferError, ValueError):
@@ -87,7 +104,8 @@ class LoadBoard:
     the host's total per instance. Every caller runs on one gevent hub; nothing here yields."""
 
     def __init__(self, state_dir: str | os.PathLike[str] | None) -> None:
-        self._own: dict[str, int] = {}
+        self._own: dict[str, list[int]] = {}
+        self._keys: dict[str, int] = {}
         self._slots: dict[str, int] = {}
         self._dir = Path(state_dir) if state_dir else None
         self._path: Path | None = None
@@ -95,6 +113,8 @@ class LoadBoard:
         self._generation = 0
         self._siblings: dict[Path, _Sibling] = {}
         self._refreshed = float("-inf")
+        self._checked = float("-inf")
+        self._dir_mtime: int | None = None
 
     def start(self) -> None:
         """Create this worker's file (after fork: the name carries the worker's pid)."""
@@ -111,8 +131,8 @@ class LoadBoard:
             finally:
                 os.close(fd)
         except OSError as exc:
-            logger.warning("admission: cannot share this worker's load in %s (%s); its "
-                           "siblings will not see it", self._dir, exc)
+            logger.warning("cannot share this worker's load in %s (%s); its siblings will "
+                           "not see it", self._dir, exc)
             self._path = None
             return
         self._rewrite()
@@ -128,14 +148,17 @@ class LoadBoard:
             with contextlib.suppress(OSError):
                 self._path.unlink()
 
-    def add(self, url: str, delta: int) -> None:
-        """A request of this worker started (+1) or stopped (-1) running on ``url``."""
-        value = self._own.get(url, 0) + delta
-        if value <= 0:
-            self._own.pop(url, None)
-            value = 0
-        else:
-            self._own[url] = value
+    def add(self, url: str, delta: int, field: int = RUNNING) -> None:
+        """A request of this worker started (+1) or stopped (-1) running on ``url``; with
+        ``field``, a call opened or closed there (``CALLS``), or its tokens (``TOKENS``)."""
+        values = self._own.get(url)
+        if values is None:
+            if delta <= 0:
+                return
+            values = self._own[url] = [0] * FIELDS
+        value = values[field] = max(0, values[field] + delta)
+        if not any(values):
+            del self._own[url]
         if self._map is None:
             return
         slot = self._slots.get(url)
@@ -145,40 +168,70 @@ class LoadBoard:
             if len(self._slots) >= SLOTS:
                 self._rewrite()
             slot = self._slots[url] = len(self._slots)
-            SLOT.pack_into(self._map, HEADER.size + slot * SLOT.size, key_of(url), value)
+            SLOT.pack_into(self._map, HEADER.size + slot * SLOT.size, self._key(url), *values)
             HEADER.pack_into(self._map, 0, MAGIC, self._generation, len(self._slots))
             return
-        COUNT.pack_into(self._map, HEADER.size + slot * SLOT.size + 8, value)
+        COUNT.pack_into(self._map, HEADER.size + slot * SLOT.size + 8 + 8 * field, value)
 
-    def own(self, url: str) -> int:
-        return self._own.get(url, 0)
+    def own(self, url: str, field: int = RUNNING) -> int:
+        values = self._own.get(url)
+        return values[field] if values is not None else 0
 
-    def count(self, url: str) -> int:
-        """Requests running on ``url`` from every worker of this host (this one exactly, the
-        others as of their last store)."""
-        total = self._own.get(url, 0)
+    def count(self, url: str, field: int = RUNNING) -> int:
+        """Requests running on ``url`` (or ``field``'s count) from every worker of this host
+        (this one exactly, the others as of their last store)."""
+        return self.counts(url)[field]
+
+    def counts(self, url: str) -> tuple[int, ...]:
+        """Every field's count on ``url``, summed over this host's workers."""
+        values = self._own.get(url)
         if self._map is None:
-            return total
+            return tuple(values) if values is not None else NONE
         now = time.monotonic()
-        if now - self._refreshed >= REFRESH_SECONDS:
-            self._refresh(now)
-        if self._siblings:
-            key = key_of(url)
-            for sibling in self._siblings.values():
-                total += sibling.count(key)
-        return total
+        if now - self._checked >= CHANGED_SECONDS:
+            self._check(now)
+        if not self._siblings:
+            return tuple(values) if values is not None else NONE
+        total = list(values) if values is not None else [0] * FIELDS
+        key = self._key(url)
+        for sibling in self._siblings.values():
+            theirs = sibling.counts(key)
+            if theirs is not NONE:
+                for i in range(FIELDS):
+                    total[i] += theirs[i]
+        return tuple(total)
+
+    def _key(self, url: str) -> int:
+        key = self._keys.get(url)
+        if key is None:
+            if len(self._keys) >= SLOTS:
+                self._keys.clear()
+            key = self._keys[url] = key_of(url)
+        return key
 
     def _rewrite(self) -> None:
-        """Lay the file out again with only the instances this worker has requests on."""
+        """Lay the file out again with only the instances this worker counts anything on."""
         assert self._map is not None
         self._generation += 1  # odd: readers skip the file until it is consistent again
         HEADER.pack_into(self._map, 0, MAGIC, self._generation, 0)
         self._slots = {}
-        for slot, (url, value) in enumerate(self._own.items()):
+        for slot, (url, values) in enumerate(self._own.items()):
             self._slots[url] = slot
-            SLOT.pack_into(self._map, HEADER.size + slot * SLOT.size, key_of(url), value)
+            SLOT.pack_into(self._map, HEADER.size + slot * SLOT.size, self._key(url), *values)
         self._generation += 1
         HEADER.pack_into(self._map, 0, MAGIC, self._generation, len(self._slots))
+
+    def _check(self, now: float) -> None:
+        self._checked = now
+        assert self._dir is not None
+        try:
+            mtime: int | None = os.stat(self._dir).st_mtime_ns
+        except OSError:
+            mtime = None
+        if mtime != self._dir_mtime or now - self._refreshed >= REFRESH_SECONDS \
+                or (mtime is not None and time.time_ns() - mtime < RECENT_NS):
+            self._dir_mtime = mtime
+            self._refresh(now)
 
     def _refresh(self, now: float) -> None:
         self._refreshed = now

@@ -19,6 +19,7 @@ from epd_flask.control.roster import Instance
 from epd_flask.core.events import Events, FleetEntry
 from epd_flask.core.logfmt import change, quote
 from epd_flask.fleet.enginemetrics import EngineLoad
+from epd_flask.fleet.loadboard import CALLS, TOKENS, LoadBoard
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ class InstanceState:
     #: (docs/behaviour.md#routing-policies).
     tokens_in_flight: int = 0
     #: The engine's last readable queue (``GET /metrics``), when it was read (monotonic) and
-    #: this worker's calls open then; a failed read leaves them
+    #: this host's calls open then (``Registry.host``); a failed read leaves them
     #: (docs/behaviour.md#routing-policies).
     engine: EngineLoad | None = None
     engine_read_at: float | None = None
@@ -65,16 +66,15 @@ class InstanceState:
             return frozenset(self.instance.models)
         return None if self.cards is None else frozenset(self.cards)
 
-    def queue(self, now: float, max_age: float) -> int:
-        """The requests this instance's engine holds, as best this worker knows: its last
-        read if not older than ``max_age``, corrected by this worker's calls opened or closed
-        since (what every host saw then, plus what this one did since); else this worker's
-        open calls."""
+    def queue(self, now: float, max_age: float, calls: int) -> int:
+        """The requests this instance's engine holds, as best this worker knows, given
+        ``calls``, this host's calls open on it now: its last read if not older than
+        ``max_age``, corrected by the host's calls opened or closed since (what every host
+        saw then, plus what this one did since); else the host's open calls."""
         if self.engine is None or self.engine_read_at is None \
                 or now - self.engine_read_at > max_age:
-            return self.in_flight
-        return max(self.in_flight,
-                   self.engine.queue + self.in_flight - self.engine_calls_at_read)
+            return calls
+        return max(calls, self.engine.queue + calls - self.engine_calls_at_read)
 
     def serves(self, model: str | None) -> bool:
         names = self.served()
@@ -104,9 +104,12 @@ class Registry:
         self, instances: Iterable[Instance],
         fail_threshold: int = settings.default("fail_threshold"),
         evicted_ttl: float = settings.default("evicted_ttl"),
-        events: Events | None = None,
+        events: Events | None = None, board: LoadBoard | None = None,
     ) -> None:
         self.events = events if events is not None else Events()
+        #: Where this worker publishes its open calls and reads its siblings' (their sum is
+        #: ``host``); without one (no state directory) the host is this worker.
+        self.board = board if board is not None else LoadBoard(None)
         self.fail_threshold = fail_threshold
         self.evicted_ttl = evicted_ttl
         self._states: dict[str, InstanceState] = {}
@@ -139,18 +142,29 @@ class Registry:
 
     def track(self, url: str, delta: int, tokens: int = 0) -> None:
         """An upstream call to ``url`` for a prompt of ``tokens`` (estimated) opened (+1) or
-        closed (-1): the load routing reads. A call to an instance the roster dropped
-        meanwhile counts for nobody."""
+        closed (-1): the load routing reads. In this worker's state a call to an instance the
+        roster dropped meanwhile counts for nobody."""
         state = self._states.get(url)
         if state is not None:
             state.in_flight = max(0, state.in_flight + delta)
             state.tokens_in_flight = max(0, state.tokens_in_flight + delta * tokens)
+        # The host's count goes by URL whatever the roster says now: a call that closes after
+        # its instance was dropped (and perhaps listed again) is taken off as it was put on.
+        self.board.add(url, delta, CALLS)
+        if tokens:
+            self.board.add(url, delta * tokens, TOKENS)
         if delta > 0 and tokens > 0:
             self.mean_tokens += MEAN_WEIGHT * (tokens - self.mean_tokens)
 
+    def host(self, url: str) -> tuple[int, int]:
+        """The upstream calls open on ``url`` from every worker of this proxy host, and their
+        estimated prompt tokens (the load board; this worker's alone without one)."""
+        counts = self.board.counts(url)
+        return counts[CALLS], counts[TOKENS]
+
     def record_engine(self, url: str, load: EngineLoad, now: float | None = None) -> None:
-        """A read of ``url``'s engine queue; what this worker had open on it then is kept,
-        so the calls it opens or closes later can be added to it."""
+        """A read of ``url``'s engine queue; what this host had open on it then is kept,
+        so the calls its workers open or close later can be added to it."""
         state = self._states.get(url)
         if state is None:
             return
@@ -159,7 +173,7 @@ class Registry:
             state.engine_error = None
         state.engine = load
         state.engine_read_at = time.monotonic() if now is None else now
-        state.engine_calls_at_read = state.in_flight
+        state.engine_calls_at_read = self.host(url)[0]
 
     def record_engine_failure(self, url: str, error: str) -> None:
         """A failed read: the last values stay (they age out of routing), logged once until a

@@ -134,13 +134,15 @@ class Router:
 
     def load(self, role: str) -> Load:
         """The requests each instance's engine holds: its last read queue (what every host
-        and worker sent it) corrected by this worker's calls since, or while no fresh read
-        exists this worker's open calls (``InstanceState.queue``). On a prefill, weighed in
-        prompt tokens: this worker's calls by their estimated prompt tokens plus one each,
-        the others by the mean estimate of this worker's calls: a prefill's wait is the
-        tokens queued before it, and one long prompt outweighs many short ones, which a count
-        of calls cannot see (docs/behaviour.md#routing-policies). The affinity policies bound
-        requests: an affinity hit's prompt is mostly cached, which the estimate cannot see."""
+        and worker sent it) corrected by this host's calls since, or while no fresh read
+        exists this host's open calls (``InstanceState.queue``); the host's calls are every
+        worker's, read from the load board, so its workers see each other's at once. On a
+        prefill, weighed in prompt tokens: the host's calls by their estimated prompt tokens
+        plus one each, the others by the mean estimate of this worker's calls: a prefill's
+        wait is the tokens queued before it, and one long prompt outweighs many short ones,
+        which a count of calls cannot see (docs/behaviour.md#routing-policies). The affinity
+        policies bound requests: an affinity hit's prompt is mostly cached, which the
+        estimate cannot see."""
         registry = self.live.registry
         settings = self.live.settings
         now = time.monotonic()
@@ -148,7 +150,8 @@ class Router:
 
         def calls(inst: Instance) -> int:
             state = registry.get(inst.url)
-            return state.queue(now, max_age) if state is not None else 0
+            return state.queue(now, max_age, registry.host(inst.url)[0]) \
+                if state is not None else 0
 
         if role not in TOKEN_ROLES:
             return Load(calls, calls)
@@ -157,9 +160,9 @@ class Router:
             state = registry.get(inst.url)
             if state is None:
                 return 0
-            others = state.queue(now, max_age) - state.in_flight
-            return (state.in_flight + state.tokens_in_flight
-                    + round(others * (1 + registry.mean_tokens)))
+            host, host_tokens = registry.host(inst.url)
+            others = state.queue(now, max_age, host) - host
+            return host + host_tokens + round(others * (1 + registry.mean_tokens))
 
         return Load(tokens, calls, tokens=True)
 

@@ -39,7 +39,7 @@ Waiting = Callable[[InstanceState], int | None]
 
 def engine_waiting(live: LiveFleet) -> Waiting:
     """The engine's waiting queue as the prober last read it (``vllm:num_requests_waiting``),
-    while that read is fresh (as routing's load takes it), corrected by this worker's calls
+    while that read is fresh (as routing's load takes it), corrected by this host's calls
     opened or closed since when the engine was queueing then: a call sent to a queueing
     engine waits, one that ends lets a waiting request run. An engine that queued nothing at
     its last read counts as not queueing until the next one: most calls sent meanwhile run."""
@@ -53,7 +53,8 @@ def engine_waiting(live: LiveFleet) -> Waiting:
             return None
         if engine.waiting <= 0:
             return 0
-        return max(0, engine.waiting + state.in_flight - state.engine_calls_at_read)
+        calls = live.registry.host(state.instance.url)[0]
+        return max(0, engine.waiting + calls - state.engine_calls_at_read)
     return waiting
 
 

@@ -243,7 +243,6 @@ class AdmissionGate:
         #: The app's hooks: the metrics hear every count below (docs/behaviour.md#admission).
         self.events = events if events is not None else Events()
         self._corrections: list[tuple[str, list[Take]]] = []
-        self._started = False
         self._corrector: gevent.Greenlet | None = None
         live.subscribe(self._reconfigure)
         self._reconfigure(None, live.view)
@@ -252,16 +251,7 @@ class AdmissionGate:
     def enabled(self) -> bool:
         return self.capacity.active
 
-    def start(self) -> None:
-        """In the worker: publish its load to its siblings once admission is on (a roster
-        without it leaves serving as it is without admission: no file, no count)."""
-        self._started = True
-        if self.capacity.active:
-            self.capacity.board.start()
-
     def _reconfigure(self, old: Any, new: Any) -> None:
-        if self._started and self.capacity.active:
-            self.capacity.board.start()
         settings = new.settings.admission or DEFAULTS
         if admits(new.settings, new.tenants, new.instances):
             self.events.admission_tenants.fire(
@@ -515,7 +505,6 @@ class AdmissionGate:
         if self._corrections:
             self._apply_corrections()  # still owed: given before the store closes
         self.limiter.close()
-        self.capacity.board.stop()
 
     def snapshot(self) -> dict[str, Any]:
         """Per tenant: its record, what it did on this worker and, for a limited tenant, its

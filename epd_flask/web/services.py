@@ -75,6 +75,7 @@ class Services:
         self.url_policy = replace(self.url_policy, own=own)
 
     def start(self) -> None:
+        self.registry.board.start()  # in the worker: its file is named for its pid
         self.transport.start()
         self.roster_sync.start()  # inherit health first, so the first probe round builds on it
         self.prober.start()
@@ -87,8 +88,6 @@ class Services:
             source.start()
         if self.tracing is not None:
             self.tracing.start()
-        if self.admission is not None:
-            self.admission.start()
 
     def stop(self) -> None:
         self.drain.stop()
@@ -105,6 +104,7 @@ class Services:
             self.tracing.stop()
         if self.admission is not None:
             self.admission.stop()
+        self.registry.board.stop()
         self.transport.close()
 
 

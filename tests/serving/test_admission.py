@@ -14,6 +14,7 @@ import requests
 
 from epd_flask.control.roles import DECODE, PREFILL
 from epd_flask.control.roster import Tenant, parse
+from epd_flask.fleet import loadboard
 from epd_flask.serving.admission import Ticket
 from tests.bodies import chat
 from tests.helpers import RawStream, eventually
@@ -204,18 +205,25 @@ def test_a_full_queue_refuses_the_request_that_would_go_last(sim, proxy) -> None
     assert gate.snapshot()["tenants"]["batch"]["rejected"] == {"queue_full": 1}
 
 
-def test_without_admission_a_worker_opens_no_file_until_a_roster_turns_it_on(sim, proxy,
-                                                                             tmp_path) -> None:
-    """A roster without admission serves as before it existed: nothing counted, no file."""
-    server = sim("prefill_decode")
+def test_without_admission_nothing_is_counted_until_a_roster_turns_it_on(sim, proxy,
+                                                                          tmp_path) -> None:
+    """A roster without admission serves as before it existed: no completion counted against
+    a bound, no bucket file; the worker's load file carries only routing's open calls."""
+    server = sim("prefill_decode", ttft=0.3)
     px = proxy(roster(combined=[server]), probes=True, state_dir=str(tmp_path))
-    assert post(px, "a", "no admission").status_code == 200
+    board = px.services.registry.board
+    running = []
+    slow = gevent.spawn(post, px, "a", "no admission")
+    eventually(lambda: board.count(server.url, loadboard.CALLS) == 1, what="the call open")
+    running.append(board.count(server.url))
+    assert slow.get(timeout=30).status_code == 200
     assert "x-ratelimit-limit-requests" not in post(px, "a", "again").headers
+    assert running == [0]
 
     def files() -> list[str]:
         return sorted(p.name.split("-")[0] for p in tmp_path.iterdir()
                       if p.name.startswith(("load-", "ratelimit")))
-    assert files() == []
+    assert files() == ["load"]
     doc = roster(combined=[(server, {"max_concurrency": 1})], admission=ADMISSION)
     doc["tenants"] = {"a": {"requests_per_minute": 100}}
     px.services.live.adopt(parse(doc, "test roster"), 2)

@@ -1,7 +1,7 @@
 """Engine load signals through real HTTP (docs/behaviour.md#routing-policies): the prober reads
 each instance's /metrics, so a proxy sees the queue another proxy (another host) built on an
-instance and sends its own requests elsewhere; a read that fails keeps the last values and is
-logged once."""
+instance and sends its own requests elsewhere; a worker sees its host's other workers' calls
+at once, without a read; a read that fails keeps the last values and is logged once."""
 
 from __future__ import annotations
 
@@ -61,6 +61,27 @@ def test_without_engine_reads_another_host_queue_is_invisible(sim, proxy) -> Non
     gevent.joinall(sent, timeout=30)
     registry = services(host_b.app).live.registry
     assert registry.get(busy.url).engine is None  # never read
+
+
+def test_a_sibling_worker_calls_are_seen_at_once_without_a_read(sim, proxy, tmp_path) -> None:
+    slow = {"prefill_tokens_per_s": 2000.0, "max_model_len": 4096}
+    busy, idle, d = sim("prefill", **slow), sim("prefill", **slow), sim("decode", **slow)
+    # Two workers of one host (one state directory), neither reading any engine: worker A
+    # knows only `busy`; worker B both, routing its prefills to the less loaded.
+    worker_a = proxy(roster([busy], [d], probe_interval=0.1, engine_metrics_interval=0),
+                     probes=True, state_dir=str(tmp_path))
+    worker_b = proxy(roster([busy, idle], [d], routing={"prefill": "least_loaded"},
+                            probe_interval=0.1, engine_metrics_interval=0),
+                     probes=True, state_dir=str(tmp_path))
+    sent = [gevent.spawn(_post, worker_a.url, f"{i} {LONG}") for i in range(4)]
+    eventually(lambda: busy.state.engine_gauges()[1] >= 2, what="worker A's prefills queued")
+    for i in range(6):
+        assert _post(worker_b.url, f"b{i} short").status_code == 200
+    # Against the coin tosses of the test above: worker A's open calls weigh on `busy`.
+    assert idle.state.stats()["completions"] == 6
+    gevent.joinall(sent, timeout=30)
+    assert all(g.value.status_code == 200 for g in sent)
+    assert services(worker_b.app).live.registry.get(busy.url).engine is None  # never read
 
 
 def test_a_failing_metrics_page_keeps_the_last_values_and_warns_once(fake, sim, proxy,

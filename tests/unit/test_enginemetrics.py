@@ -9,6 +9,8 @@ from epd_flask.control.roster import Instance, Roster, Settings
 from epd_flask.fleet import routing
 from epd_flask.fleet.enginemetrics import EngineLoad, MetricsError, parse
 from epd_flask.fleet.live import LiveFleet
+from epd_flask.fleet.loadboard import LoadBoard
+from epd_flask.fleet.registry import Registry
 
 #: As vLLM 0.32 writes it (prometheus_client), two engines (data-parallel ranks), with the
 #: gauges' neighbours that share a prefix.
@@ -55,9 +57,11 @@ def test_a_page_without_a_readable_queue_is_an_error(page: bytes) -> None:
 URLS = ("http://p1:1", "http://p2:1")
 
 
-def _router() -> tuple[routing.Router, LiveFleet]:
-    live = LiveFleet(Roster(settings=Settings(probe_interval=1.0, engine_metrics_interval=1.0),
-                            instances=tuple(Instance(role="prefill", url=u) for u in URLS)))
+def _router(board: LoadBoard | None = None) -> tuple[routing.Router, LiveFleet]:
+    """A worker's router; ``board``: the load board it shares with its host's others."""
+    roster = Roster(settings=Settings(probe_interval=1.0, engine_metrics_interval=1.0),
+                    instances=tuple(Instance(role="prefill", url=u) for u in URLS))
+    live = LiveFleet(roster, 0, Registry(roster.instances, board=board))
     return routing.Router(live, seed=0), live
 
 
@@ -88,14 +92,58 @@ def test_a_read_counts_every_host_and_this_worker_calls_since() -> None:
     assert router.load("prefill").measure(one) == 1 + 300 + round(4 * (1 + mean))
 
 
+def test_the_workers_of_one_host_see_each_other_calls_at_once(tmp_path) -> None:
+    boards = [LoadBoard(tmp_path), LoadBoard(tmp_path)]
+    for board in boards:
+        board.start()
+    try:
+        (one_router, one), (two_router, two) = _router(boards[0]), _router(boards[1])
+        a, b = (Instance(role="prefill", url=u) for u in URLS[:2])
+        one.registry.track(URLS[0], +1, tokens=5000)
+        # Worker two has opened nothing yet, and no engine was read: it sees worker one's call
+        # and its tokens, and sends a prompt elsewhere.
+        assert two_router.load("decode").calls(a) == 1
+        assert two_router.load("prefill").measure(a) == 1 + 5000
+        assert two_router.load("prefill").measure(b) == 0
+        two.registry.track(URLS[0], +1, tokens=300)
+        # A read now holds both calls: neither worker counts them twice, nor an other host's.
+        for registry in (one.registry, two.registry):
+            registry.record_engine(URLS[0], EngineLoad(waiting=1, running=1))
+        for router in (one_router, two_router):
+            assert router.load("decode").calls(a) == 2
+            assert router.load("prefill").measure(a) == 2 + 5300
+        one.registry.track(URLS[0], -1, tokens=5000)  # done: gone from both views
+        assert two_router.load("decode").calls(a) == 1
+        assert two_router.load("prefill").measure(a) == 1 + 300
+    finally:
+        for board in boards:
+            board.stop()
+
+
+def test_a_call_that_outlives_its_instance_in_the_roster_leaves_no_count(tmp_path) -> None:
+    board = LoadBoard(tmp_path)
+    board.start()
+    try:
+        router, live = _router(board)
+        a = Instance(role="prefill", url=URLS[0])
+        live.registry.track(URLS[0], +1, tokens=400)
+        live.registry.replace([Instance(role="prefill", url=URLS[1])])  # dropped meanwhile
+        live.registry.track(URLS[0], -1, tokens=400)
+        live.registry.replace([Instance(role="prefill", url=u) for u in URLS])  # listed again
+        assert live.registry.host(URLS[0]) == (0, 0)
+        assert router.load("prefill").measure(a) == 0
+    finally:
+        board.stop()
+
+
 def test_a_read_older_than_three_intervals_no_longer_counts() -> None:
     router, live = _router()
     one = Instance(role="prefill", url=URLS[0])
     live.registry.record_engine(URLS[0], EngineLoad(waiting=7, running=1), now=0.0)
     state = live.registry.get(URLS[0])
     assert state is not None
-    assert state.queue(now=2.9, max_age=3.0) == 8
-    assert state.queue(now=3.1, max_age=3.0) == 0
+    assert state.queue(now=2.9, max_age=3.0, calls=0) == 8
+    assert state.queue(now=3.1, max_age=3.0, calls=0) == 0
     assert router.load("decode").calls(one) == 0  # read "at 0.0" of the monotonic clock
 
 

@@ -42,6 +42,41 @@ def test_every_worker_sees_the_hosts_total(tmp_path) -> None:
     assert not list(tmp_path.glob("load-*.bin")), "a stopped worker leaves no file"
 
 
+def test_open_calls_and_their_tokens_are_counted_apart_from_running_requests(tmp_path) -> None:
+    one, two = boards(tmp_path)
+    try:
+        one.add(A, 1, loadboard.CALLS)
+        one.add(A, 700, loadboard.TOKENS)
+        two.add(A, 1)  # admission's running request: a count of its own
+        two.add(A, 1, loadboard.CALLS)
+        two.add(A, 50, loadboard.TOKENS)
+        assert one.counts(A) == two.counts(A) == (1, 2, 750)
+        assert two.count(A) == 1 and two.count(A, loadboard.CALLS) == 2
+        one.add(A, -1, loadboard.CALLS)
+        one.add(A, -700, loadboard.TOKENS)
+        assert two.counts(A) == (1, 1, 50) and one.own(A, loadboard.TOKENS) == 0
+    finally:
+        one.stop()
+        two.stop()
+
+
+def test_a_worker_that_starts_after_a_first_read_counts_from_its_first_request(
+        tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(loadboard, "REFRESH_SECONDS", 3600.0)  # only a change looks again
+    monkeypatch.setattr(loadboard, "CHANGED_SECONDS", 0.0)
+    one = LoadBoard(tmp_path)
+    one.start()
+    two = LoadBoard(tmp_path)
+    try:
+        assert one.count(A) == 0  # a first read, alone (routing's, at boot)
+        two.start()
+        two.add(A, 1)
+        assert one.count(A) == 1
+    finally:
+        one.stop()
+        two.stop()
+
+
 def test_a_worker_that_died_stops_counting(tmp_path) -> None:
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)
