@@ -9,7 +9,7 @@ instance's URL and label), so their encoded bytes are kept. The result decodes t
 message the SDK's ``encode_spans`` builds from the same spans as its own ``ReadableSpan``
 (``Encoder.readable``; tests/unit/test_otlpwire.py holds the two side by side), the SDK's span
 limits applied as its span objects apply them. A value of a type this encoder does not know
-raises ``TypeError``, and that batch goes the SDK's way instead.
+raises ``TypeError``, and that span goes the SDK's way instead.
 """
 
 from __future__ import annotations
@@ -176,10 +176,18 @@ class Encoder:
 
     def encode(self, records: Iterable[SpanRecord]) -> bytes:
         """The request's bytes: one resource, one scope, the spans in the order they come."""
-        spans = b"".join(_field(b"\x12", self._span(r)) for r in records)
-        scope_spans = self._scope_field + spans + self._scope_tail
+        return self.request([self.span(r) for r in records])
+
+    def request(self, spans: list[bytes]) -> bytes:
+        """The request's bytes around spans already encoded (``span``)."""
+        scope_spans = self._scope_field + b"".join(spans) + self._scope_tail
         body = self._resource_field + _field(b"\x12", scope_spans) + self._resource_tail
         return _field(b"\x0a", body)
+
+    def span(self, record: SpanRecord) -> bytes:
+        """One span's field of a ``ScopeSpans``."""
+        body = self._span(record)
+        return b"\x12" + _varint(len(body)) + body
 
     def _span(self, record: SpanRecord) -> bytes:
         name = record.name.encode()

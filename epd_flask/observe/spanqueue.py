@@ -1,9 +1,9 @@
 """Finished spans on their way to the collector: a bounded queue and one export greenlet per
 worker (docs/behaviour.md#tracing).
 
-A request never waits for the collector: ending a span appends its record to the queue or,
-when the queue is full, drops it and counts the drop. The greenlet posts batches through the SDK's
-OTLP/HTTP exporter (``requests`` on gevent's sockets), whenever a batch is full or the
+A request never waits for the collector: ending a span appends it, encoded, to the queue or,
+when the queue is full, drops it and counts the drop. The greenlet posts batches through the
+SDK's OTLP/HTTP exporter (``requests`` on gevent's sockets), whenever a batch is full or the
 schedule delay passes; a collector that is down or slow holds only this greenlet, for at most
 the exporter's own timeout per batch (``OTEL_EXPORTER_OTLP_TIMEOUT``), while the queue fills
 and then drops. The SDK's own ``BatchSpanProcessor`` would do the same with a thread (a
@@ -44,22 +44,33 @@ class SpanQueue:
         self._exporter = exporter
         self._encoder = encoder
         self._post = otlpwire.poster(exporter)
+        self._encode_span = encoder.span if self._post is not None else None
         self._max_queue = max_queue
         self._batch = batch
         self._delay = delay
         self._report = report
-        self._queue: deque[SpanRecord] = deque()
+        # A span's encoded field; a record only when the encoder could not encode it.
+        self._queue: deque[bytes | SpanRecord] = deque()
         self._wake = Event()
         self._exporting = BoundedSemaphore(1)
         self._greenlet: gevent.Greenlet | None = None
 
     def add(self, span: SpanRecord) -> None:
-        """A sampled span ended."""
+        """A sampled span ended: it waits encoded, a few bytes the garbage collector never
+        walks, rather than as a record (its attributes, events, strings) kept alive until
+        its batch goes."""
         queue = self._queue
         if len(queue) >= self._max_queue:
             self._report(QUEUE_FULL, 1)
             return
-        queue.append(span)
+        encode = self._encode_span
+        if encode is None:
+            queue.append(span)
+        else:
+            try:
+                queue.append(encode(span))
+            except TypeError:  # the SDK's exporter gets it
+                queue.append(span)
         if len(queue) >= self._batch:
             self._wake.set()
 
@@ -85,7 +96,7 @@ class SpanQueue:
                 count = min(self._batch, len(queue))
                 self._export([queue.popleft() for _ in range(count)])
 
-    def _export(self, batch: Sequence[SpanRecord]) -> None:
+    def _export(self, batch: Sequence[bytes | SpanRecord]) -> None:
         """One batch; cut short (a flush's deadline, the worker stopping), it counts as
         failed."""
         sent = False
@@ -96,18 +107,21 @@ class SpanQueue:
         finally:
             self._report(None if sent else EXPORT_FAILED, len(batch))
 
-    def _send(self, batch: Sequence[SpanRecord]) -> bool:
+    def _send(self, batch: Sequence[bytes | SpanRecord]) -> bool:
         """Encoded here (otlpwire.py, a third of the SDK's cost) and posted by the
         exporter's own client; what this encoder does not know, the SDK encodes."""
-        if self._post is not None:
-            try:
-                data = self._encoder.encode(batch)
-            except TypeError:
-                pass
-            else:
-                return self._post(data)
-        readable = [self._encoder.readable(span) for span in batch]
-        return self._exporter.export(readable) is SpanExportResult.SUCCESS
+        encoder = self._encoder
+        encoded = [span for span in batch if type(span) is bytes]
+        left = [span for span in batch if type(span) is not bytes] \
+            if len(encoded) < len(batch) else []
+        sent = True
+        if encoded:
+            assert self._post is not None  # spans are encoded only when they can be posted
+            sent = self._post(encoder.request(encoded))
+        if left:
+            readable = [encoder.readable(span) for span in left]  # type: ignore[arg-type]
+            sent = self._exporter.export(readable) is SpanExportResult.SUCCESS and sent
+        return sent
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         """Send every queued span now; False if that took longer than ``timeout_millis``

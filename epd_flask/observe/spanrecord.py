@@ -4,7 +4,7 @@ A plain record, not the SDK's span object: that one holds four locks, a bounded 
 checking every value, two bounded lists, and makes a read-only copy when it ends, which was
 most of what tracing cost a request. The proxy writes its few spans from one greenlet and
 never changes one after it ends, so a record is enough; the span limits (``OTEL_SPAN_*``,
-``OTEL_ATTRIBUTE_*``) are applied when the batch is encoded (``otlpwire``), off the request.
+``OTEL_ATTRIBUTE_*``) are applied when it is encoded (``otlpwire``), as it ends.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from epd_flask.observe import otelspans
 from epd_flask.observe.tracing import TraceSettings
@@ -34,8 +35,12 @@ def request(tracer: otelspans.Tracer, **headers: str) -> tuple[bool, list[str], 
         call.end(200, None)
     trace.finish(SimpleNamespace(retries=0, chunks=0, status=200, model="m", tenant=None,
                                  error=None), None)
-    names = [r.name for r in tracer.queue._queue]
-    tracer.queue._queue.clear()
+    queue = tracer.queue
+    waiting = list(queue._queue)
+    names = [span.name for span in ExportTraceServiceRequest.FromString(
+        queue._encoder.request(waiting)).resource_spans[0].scope_spans[0].spans] \
+        if waiting else []
+    queue._queue.clear()
     return trace.recording, parents, names
 
 

@@ -161,6 +161,10 @@ def test_a_request_traced_by_the_proxy_decodes_to_the_sdks_message() -> None:
     usage and retry, two calls (one failed), the relay."""
     tracer = otelspans.Tracer(TraceSettings("http://127.0.0.1:9/v1/traces", 100, 512, 60.0),
                               lambda reason, count: None)
+    queue = tracer.queue
+    records: list[SpanRecord] = []
+    adding = queue.add
+    queue.add = lambda span: (records.append(span), adding(span))  # type: ignore[method-assign]
     try:
         trace = tracer.begin({}, "POST", "/v1/chat/completions", "req-1", "up-1")
         trace.decided("prefill", "round_robin", "chosen", "http://127.0.0.1:2")
@@ -175,11 +179,11 @@ def test_a_request_traced_by_the_proxy_decodes_to_the_sdks_message() -> None:
         trace.answer_usage(b'{"usage":{"prompt_tokens":7,"completion_tokens":16}}')
         trace.finish(SimpleNamespace(retries=1, chunks=4, status=200, model="m",
                                      tenant="t", error=None), None)
-        records = list(tracer.queue._queue)
         assert len(records) == 4
-        encoder = tracer.queue._encoder
+        waiting = list(queue._queue)  # each span encoded as it ended
+        assert all(type(span) is bytes for span in waiting)
         sdk = encode_spans(replayed(records))
-        mine = decoded(encoder.encode(records))
+        mine = decoded(queue._encoder.request(waiting))
         # the worker's resource and scope, not the test's
         assert mine.resource_spans[0].scope_spans[0].scope.name == "epd_flask"
         for message in (sdk, mine):
@@ -189,6 +193,7 @@ def test_a_request_traced_by_the_proxy_decodes_to_the_sdks_message() -> None:
             message.resource_spans[0].scope_spans[0].ClearField("schema_url")
         assert mine == sdk
     finally:
+        queue._queue.clear()
         tracer.stop()
 
 
@@ -234,7 +239,20 @@ def test_the_span_queue_posts_encoded_batches_and_leaves_the_rest_to_the_exporte
     queue.add(record("huge", 1, 3, attributes={"n": 2**64}))
     assert queue.force_flush(5000)
     assert len(exporter.posted) == 1 and [s.name for s in exporter.spans] == ["huge"]
-    assert reports == [(None, 1), (None, 1)]
+    # in one batch, each goes its way
+    queue.add(record("second", 1, 4))
+    queue.add(record("huge again", 1, 5, attributes={"n": -2**64}))
+    assert queue.force_flush(5000)
+    assert [s.name for s in decoded_bytes(exporter.posted[1])] == ["second"]
+    assert [s.name for s in exporter.spans] == ["huge", "huge again"]
+    assert reports == [(None, 1), (None, 1), (None, 2)]
+    # an exporter without the client that posts bytes gets every span through ``export``
+    kept = Kept()
+    plain = SpanQueue(kept, otlpwire.Encoder(RESOURCE, SCOPE, SpanLimits()), max_queue=10,
+                      batch=10, delay=60.0, report=lambda reason, count: None)
+    plain.add(record("third", 1, 6))
+    assert plain.force_flush(5000)
+    assert [s.name for s in kept.spans] == ["third"]
 
 
 def decoded_bytes(data: bytes) -> list[Any]:
