@@ -121,7 +121,7 @@ class Tracer:
         # OTEL_TRACES_SAMPLER(_ARG), as the SDK's provider reads them.
         self.sampler = TracerProvider(resource=resource, shutdown_on_exit=False).sampler
         encoder = otlpwire.Encoder(resource, InstrumentationScope(SCOPE, __version__),
-                                   SpanLimits())
+                                   SpanLimits(), unique=frozenset({REQUEST_ID, UPSTREAM_ID}))
         self.queue = SpanQueue(OTLPSpanExporter(endpoint=settings.url), encoder,
                                max_queue=settings.max_queue, batch=settings.batch,
                                delay=settings.delay, report=report)

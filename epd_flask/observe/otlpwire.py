@@ -106,6 +106,19 @@ def _pair(key: str, value: str | int) -> bytes:
     return _key_value(key, value)
 
 
+@lru_cache(maxsize=256)
+def _key_field(key: str) -> bytes:
+    return _field(b"\x0a", key.encode())
+
+
+def _unique_pair(key: str, value: str) -> bytes:
+    """A string attribute whose value never repeats (a request id): kept, it would only push
+    the pairs that do repeat out of the cache, at a third more than encoding it."""
+    raw = value.encode()
+    body = b"\x0a" + _varint(len(raw)) + raw
+    return _key_field(key) + b"\x12" + _varint(len(body)) + body
+
+
 def _clipped(value: Any, length: int) -> Any:
     """A value with its strings cut to ``length``, as the SDK's attribute maps cut them."""
     if isinstance(value, str):
@@ -120,11 +133,12 @@ def _clipped(value: Any, length: int) -> Any:
 
 
 def _attributes(tag: bytes, attributes: Mapping[str, Any] | None, most: int = _UNLIMITED,
-                length: int | None = None) -> tuple[list[bytes], int]:
+                length: int | None = None, unique: frozenset[str] = frozenset(),
+                ) -> tuple[list[bytes], int]:
     """Each attribute as a ``KeyValue`` field under ``tag``, and how many the limit dropped:
     the newest ``most`` are kept, as the SDK's bounded map keeps them. The field of a string
     or integer value is kept, keyed by its pair (a bool, equal to 1 or 0, is never looked up
-    there)."""
+    there), unless its key is one of ``unique``."""
     if not attributes:
         return [], 0
     items: Iterable[tuple[str, Any]] = attributes.items()
@@ -136,7 +150,12 @@ def _attributes(tag: bytes, attributes: Mapping[str, Any] | None, most: int = _U
         if length is not None:
             value = _clipped(value, length)
         kind = type(value)
-        body = _pair(key, value) if kind is str or kind is int else _key_value(key, value)
+        if kind is str:
+            body = _unique_pair(key, value) if key in unique else _pair(key, value)
+        elif kind is int:
+            body = _pair(key, value)
+        else:
+            body = _key_value(key, value)
         out.append(tag + _varint(len(body)) + body)
     return out, max(dropped, 0)
 
@@ -153,12 +172,13 @@ def _scope_field(scope: InstrumentationScope) -> bytes:
 
 class Encoder:
     """One worker's spans as the bytes of an export request: its resource and instrumentation
-    scope (which never change, so their fields are made once), and the span limits the SDK
-    read from the environment."""
+    scope (which never change, so their fields are made once), the span limits the SDK
+    read from the environment, and the attributes whose string values never repeat."""
 
-    def __init__(self, resource: Resource, scope: InstrumentationScope,
-                 limits: SpanLimits) -> None:
+    def __init__(self, resource: Resource, scope: InstrumentationScope, limits: SpanLimits,
+                 unique: frozenset[str] = frozenset()) -> None:
         self.resource = resource
+        self._unique = unique
         self.scope = scope
         self.limits = limits
         self._max_attributes = _bound(limits.max_span_attributes)
@@ -200,7 +220,7 @@ class Encoder:
         parts += (b"\x2a", _varint(len(name)), name, _KINDS[record.kind],
                   b"\x39", _FIXED64(record.start_ns), b"\x41", _FIXED64(record.end_ns))
         attributes, dropped = _attributes(b"\x4a", record.attributes, self._max_attributes,
-                                          self._max_length)
+                                          self._max_length, self._unique)
         parts += attributes
         if dropped:
             parts += (b"\x50", _varint(dropped))

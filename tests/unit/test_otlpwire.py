@@ -134,6 +134,9 @@ def test_every_kind_of_span_decodes_to_the_sdks_message() -> None:
     encoder = otlpwire.Encoder(RESOURCE, SCOPE, SpanLimits())
     expected = encode_spans(replayed(records))
     assert decoded(encoder.encode(records)) == expected
+    # values that never repeat, written without the cache
+    unique = otlpwire.Encoder(RESOURCE, SCOPE, SpanLimits(), frozenset({"s", "empty", "i"}))
+    assert decoded(unique.encode(records)) == expected
     # ... and the SDK's own span the exporter gets when this encoder cannot encode a batch
     assert encode_spans([encoder.readable(r) for r in records]) == expected
 
