@@ -22,6 +22,7 @@ ENV_SWITCH = "EPD_VLLM_HOME"
 READY_STAMP = fleet_mod.VENV / ".epd-flask-ready"
 _outcomes: list[tuple[str, str, float]] = []
 _fleet_timings: dict[str, float] = {}
+_stop_notes: list[str] = []
 
 
 def _ready() -> bool:
@@ -60,6 +61,8 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         tr.write_line(f"topology {name:<10} healthy after {seconds:6.1f} s")
     for nodeid, verdict, seconds in _outcomes:
         tr.write_line(f"{verdict.upper():<8} {seconds:6.2f} s  {nodeid}")
+    for note in _stop_notes:
+        tr.write_line(f"stopping: {note}")
 
 
 @pytest.fixture(scope="session")
@@ -72,3 +75,4 @@ def fleet() -> Iterator[fleet_mod.Fleet]:
     finally:
         started.down()
         _fleet_timings.update(started.timings)
+        _stop_notes.extend(started.stop_notes)

@@ -29,7 +29,8 @@ import yaml
 
 from tests.helpers import eventually
 from tests.rosters import roster
-from tests.vllm.reap import group_alive
+from tests.vllm import reap
+from tests.vllm.reap import group_alive, group_members
 
 ROOT = Path(__file__).resolve().parents[2]
 HOME = Path(os.environ.get("EPD_VLLM_HOME", Path.home() / ".cache" / "epd-flask" / "vllm"))
@@ -42,6 +43,9 @@ MODEL_NAME = "tiny-llama"
 VLLM_START_SECONDS = float(os.environ.get("EPD_VLLM_START_SECONDS", "300"))
 GUNICORN_START_SECONDS = 30.0
 STOP_GRACE_SECONDS = 30.0
+#: After SIGKILL the kernel still frees a worker's gigabytes; this only bounds a stuck exit.
+KILL_WAIT_SECONDS = 30.0
+REAP_SECONDS = 5.0
 POLL_SECONDS = 0.5
 #: vLLM's CPU default block is 128 tokens; 32 lets short prompts fill whole KV blocks.
 COMMON_ARGS = ("--max-model-len", "512", "--enforce-eager", "--block-size", "32")
@@ -112,25 +116,47 @@ class Process:
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")
 
-    def stop(self) -> None:
-        stop_group(self.proc.pid)
-        if self.proc.poll() is None:
-            self.proc.wait(5)
-        self.pid_file.unlink(missing_ok=True)
+    def stop(self, grace: float | None = None) -> str | None:
+        """End the whole group and reap its leader, never raising: a server that outlived its
+        grace once left its topology half-stopped and still marked running, so every test of
+        the next module errored at setup. Gives what was out of the ordinary, if anything;
+        the pid file stays while the group lives on, for the reaper."""
+        note = end_group(self.proc, STOP_GRACE_SECONDS if grace is None else grace)
+        if not group_alive(self.proc.pid):
+            try:
+                self.proc.wait(REAP_SECONDS)  # it has ended: only its exit status is left
+            except subprocess.TimeoutExpired:
+                note = f"{note or 'ended'}; no exit status within {REAP_SECONDS:.0f} s"
+            self.pid_file.unlink(missing_ok=True)
+        return None if note is None else f"{self.name}: {note}"
 
 
-def stop_group(pgid: int) -> None:
-    """SIGTERM the whole group (vLLM's API server, EngineCore, workers), SIGKILL stragglers."""
-    if not group_alive(pgid):
-        return
-    os.killpg(pgid, signal.SIGTERM)
+def end_group(proc: subprocess.Popen[bytes], grace: float) -> str | None:
+    """SIGTERM the group ``proc`` leads (vLLM's API server, EngineCore, workers); SIGKILL it
+    if anything outlives ``grace``; then wait, bounded, until it is empty. Gives what
+    happened when SIGTERM alone did not end it."""
+    pgid = proc.pid
 
     def gone() -> bool:
-        with contextlib.suppress(ChildProcessError):  # reap our child so the group can empty
-            os.waitpid(pgid, os.WNOHANG)
+        proc.poll()  # reaps the leader: until then it is a member of its group
         return not group_alive(pgid)
-    if not eventually(gone, STOP_GRACE_SECONDS, interval=POLL_SECONDS):
+    if gone():
+        return None
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGTERM)
+    if eventually(gone, grace, interval=POLL_SECONDS):
+        return None
+    left = members(pgid)
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGKILL)
+    if eventually(gone, KILL_WAIT_SECONDS, interval=POLL_SECONDS):
+        return f"outlived SIGTERM by {grace:.0f} s ({left}): killed"
+    return f"still running {KILL_WAIT_SECONDS:.0f} s after SIGKILL: {members(pgid)}"
+
+
+def members(pgid: int) -> str:
+    return ", ".join(f"{pid} {state} {cmd}" for pid, state, cmd in group_members(pgid)) \
+        or "none"
 
 
 def wait_healthy(procs: list[Process], seconds: float, path: str = "/health") -> None:
@@ -459,9 +485,10 @@ class Topology:
     def by_role(self, role: str) -> VllmServer:
         return next(s for s in self.servers if s.role == role)
 
-    def stop(self) -> None:
-        for p in [*self.proxies, *(s.process for s in self.servers)]:
-            p.stop()
+    def stop(self) -> list[str]:
+        """Every process is stopped, whatever the others did; gives their notes."""
+        notes = (p.stop() for p in [*self.proxies, *(s.process for s in self.servers)])
+        return [note for note in notes if note is not None]
 
 
 class Fleet:
@@ -470,6 +497,8 @@ class Fleet:
     def __init__(self) -> None:
         self.current: Topology | None = None
         self.timings: dict[str, float] = {}
+        #: What stopping a topology found out of the ordinary (the tier's summary lists it).
+        self.stop_notes: list[str] = []
 
     def up(self, name: str, traces: str | None = None) -> Topology:
         """Topology ``name``, started unless it runs already; with ``traces``, its servers
@@ -491,9 +520,15 @@ class Fleet:
         return self.current
 
     def down(self) -> None:
-        if self.current is not None:
-            self.current.stop()
+        """Stops the current topology; whatever way that goes, none is current afterwards and
+        every group the tier recorded is ended (the reaper), so the next starts clean."""
+        if self.current is None:
+            return
+        try:
+            self.stop_notes += self.current.stop()
+        finally:
             self.current = None
+            self.stop_notes += [f"reaped {line}" for line in reap.reap(RUN_DIR)]
 
     def proxy(self, roster: dict[str, Any], workers: int = 1,
               env: dict[str, str] | None = None) -> Process:
