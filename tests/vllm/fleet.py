@@ -50,7 +50,7 @@ POLL_SECONDS = 0.5
 #: vLLM's CPU default block is 128 tokens; 32 lets short prompts fill whole KV blocks.
 COMMON_ARGS = ("--max-model-len", "512", "--enforce-eager", "--block-size", "32")
 #: Real vLLM runs below the shell and the test client so the 2-core machine stays usable.
-NICE = ("nice", "-n", "10")
+NICE = 10
 
 
 #: Where three servers share the two cores (Mooncake routing), the decode's core is its own.
@@ -241,9 +241,9 @@ def vllm_port() -> int:
 
 def start_vllm(name: str, role: str, core: int, model: str = "tiny-llama",
                args: tuple[str, ...] = (), env: dict[str, str] | None = None,
-               served_name: str = MODEL_NAME, **ports: int) -> VllmServer:
+               served_name: str = MODEL_NAME, nice: int = NICE, **ports: int) -> VllmServer:
     port = vllm_port()
-    argv = [*NICE, str(VENV / "bin" / "vllm"), "serve", str(MODELS / model),
+    argv = ["nice", "-n", str(nice), str(VENV / "bin" / "vllm"), "serve", str(MODELS / model),
             "--host", "127.0.0.1", "--port", str(port), "--served-model-name", served_name,
             *COMMON_ARGS, *args]
     process = Process(name, argv, {**vllm_env(core), **(env or {})}, f"http://127.0.0.1:{port}")
@@ -329,6 +329,13 @@ def _encoder() -> list[VllmServer]:
 EC_BUFFER_BYTES = 64 * 1024 * 1024
 #: How long a consumer waits for a push it was promised before failing the request (vLLM: 60).
 EC_PUSH_WAIT_SECONDS = 8
+#: A vLLM server with work in flight spins: its EngineCore and worker poll each other between
+#: steps (~100 clock ticks a second each). While the Mooncake E+P+D cases run, the prefill is
+#: kept computing and the decode waits for the KV, so both spin, and the encoder (its encoding,
+#: then its push) is what all of them wait for. At the same niceness it starved: with the
+#: encoder sharing the busy prefill's core, its three processes got 0-2 ticks a second through
+#: a 10.2 s encode; ahead of the others, encodes took 36-118 ms after the first (1.7 s).
+ENCODER_NICE = 5
 
 
 def ec_mooncake_config(role: str, port: int | None = None) -> str:
@@ -347,14 +354,15 @@ def ec_mooncake_config(role: str, port: int | None = None) -> str:
 def _ec_mooncake() -> list[VllmServer]:
     """E+P+D with pushed embeddings: a tiny LLaVA encoder-only server pushes each image's
     embedding to the prefill (ECMooncakeConnector consumer), which hands the KV to the decode
-    (MooncakeConnector). Three servers on two cores."""
+    (MooncakeConnector). Three servers on two cores; the encoder runs ahead of the others
+    (``ENCODER_NICE``)."""
     mm = ("--limit-mm-per-prompt", '{"image":1}')
     kv_extra = {"mooncake_protocol": "tcp"}
     control, boot = vllm_port(), vllm_port()
     return [
         start_vllm("ec-mooncake-encode", "encode", 0, model="tiny-llava",
                    args=(*mm, "--mm-encoder-only", "--ec-transfer-config",
-                         ec_mooncake_config("ec_producer"))),
+                         ec_mooncake_config("ec_producer")), nice=ENCODER_NICE),
         start_vllm("ec-mooncake-prefill", "prefill", 1, model="tiny-llava",
                    args=(*mm, "--ec-transfer-config", ec_mooncake_config("ec_consumer", control),
                          "--kv-transfer-config", kv_config("MooncakeConnector", "kv_producer",
