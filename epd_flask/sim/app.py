@@ -260,7 +260,7 @@ class SimApp:
             pacing.hang_up(sock)
             return json_response(start_response, 499, {"error": "client gone"})
         environ[SLOT] = True
-        ttft, token_delay = self._costs(answer)
+        first_at, token_delay = self._costs(answer, _priority(body))
         if answer.pull is not None:
             # The decode's own TTFT runs while it waits for the KV: the first token comes at
             # whichever is later, as when a real decode is busy while the prefill computes.
@@ -272,20 +272,20 @@ class SimApp:
                 # Another request's KV: the answer continues that prompt, not this one.
                 state.count("kv_transfers_crossed")
                 answer.pieces = [textgen.generate(pulled.prompt, len(p)) for p in answer.pieces]
-            ttft = max(0.0, ttft - pulled.seconds)
         fp = wire.fingerprint(state.engine_id)
         if req.stream:
             events = stream.plan_events(
                 answer, chat=req.chat, include_usage=req.include_usage, model=req.model,
-                fingerprint=fp, ttft=ttft, token_delay=token_delay,
+                fingerprint=fp, ttft=0.0, token_delay=token_delay,
                 logprobs=req.logprobs)
             drop_after = state.take_drop()
             start_response(status_line(200), list(SSE_HEADERS))
             return stream.StreamBody(events, state, sock, drop_after,
                                      environ.get("sim.flush_headers"),
-                                     environ.get("HTTP_X_REQUEST_ID"))
+                                     environ.get("HTTP_X_REQUEST_ID"), first_at=first_at)
         steps = max((len(p) for p in answer.pieces), default=0)
-        if pacing.wait_or_gone(sock, ttft + token_delay * max(steps - 1, 0)):
+        if pacing.wait_until_or_gone(sock, first_at) or \
+                pacing.wait_or_gone(sock, token_delay * max(steps - 1, 0)):
             state.abort(stream=False)
             pacing.hang_up(sock)
             if answer.transfer_id is not None:
@@ -311,24 +311,32 @@ class SimApp:
                 for p in answer.pieces],
         ))
 
-    def _costs(self, answer: roles.Answer) -> tuple[float, float]:
-        """(time to first token, inter-token time) for ``answer``: the configured constants,
-        or with the cost model (costmodel.py) what this server's queue and batch make them."""
+    def _costs(self, answer: roles.Answer,
+               priority: int) -> tuple[Callable[[], float], float]:
+        """(when the first token comes, as a monotonic time read when needed; inter-token
+        time) for ``answer``: the configured constants, or with the cost model
+        (costmodel.py) what this server's prefill queue and batch make them. The first token
+        follows the prompt's prefill, which a more urgent prompt (``priority`` under
+        ``--scheduling-policy priority``) arriving before it starts puts off."""
         cfg = self.state.config
+        now = time.monotonic()
         if cfg.prefill_tokens_per_s <= 0:
-            return cfg.ttft, cfg.token_delay
-        engine, now = self.state.engine, time.monotonic()
+            first = now + cfg.ttft
+            return (lambda: first), cfg.token_delay
+        engine = self.state.engine
         step = engine.inter_token(cfg.token_delay, cfg.token_delay_per_stream, now)
         computed = answer.computed_tokens
         if computed is None:
             computed = max(0, answer.prompt_tokens - answer.cached_tokens)
-        ttft = cfg.ttft + engine.prefill(computed, cfg.prefill_tokens_per_s, now) + step
+        rank = priority if cfg.scheduling_policy == "priority" else 0
+        job = engine.queue(computed, cfg.prefill_tokens_per_s, rank, now)
+        after = cfg.ttft + step
         steps = max((len(p) for p in answer.pieces), default=0)
-        end = now + ttft + step * max(steps - 1, 0)
+        end = job.end + after + step * max(steps - 1, 0)
         if steps > 1:
             engine.stream_until(end)
         engine.hold(-(-(answer.prompt_tokens + steps) // cfg.block_size), end)
-        return ttft, step
+        return (lambda: job.end + after), step
 
     def _pulled(self, outcome: str, sock: Any | None,
                 start_response: StartResponse) -> WSGIResult | None:

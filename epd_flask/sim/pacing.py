@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import gevent
@@ -60,6 +61,17 @@ def wait_or_gone(sock: Any | None, seconds: float) -> bool:
             if client_gone(sock):
                 return True
             gevent.sleep(min(remaining, BUSY_POLL_INTERVAL))
+
+
+def wait_until_or_gone(sock: Any | None, deadline: Callable[[], float]) -> bool:
+    """Sleep until ``deadline()`` (a monotonic time that may move later while we sleep: a
+    prefill a more urgent prompt overtook); True early if the client went away."""
+    while True:
+        remaining = deadline() - time.monotonic()
+        if remaining <= 0:
+            return False
+        if wait_or_gone(sock, remaining):
+            return True
 
 
 def hang_up(sock: Any | None) -> None:

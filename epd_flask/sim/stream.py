@@ -75,7 +75,9 @@ def _chunk_logprobs(piece: str, position: int, offset: int, chat: bool,
 
 
 class StreamBody:
-    """The WSGI response iterable of one stream.
+    """The WSGI response iterable of one stream: ``first_at`` (when given) is the monotonic
+    time before which nothing is sent, read again while waiting (the engine's prefill queue
+    may move it later); the events' own delays follow it.
 
     A class, not a bare generator, because the server calls ``close()`` even when it never
     started iterating (client gone before the first write), and the in-flight count must drop
@@ -85,9 +87,10 @@ class StreamBody:
     def __init__(
         self, events: list[Event], state: SimState, sock: Any | None,
         drop_after: int | None = None, flush_headers: Callable[[], None] | None = None,
-        request_id: str | None = None,
+        request_id: str | None = None, first_at: Callable[[], float] | None = None,
     ) -> None:
         self._events = events
+        self._first_at = first_at
         self._request_id = request_id
         self._state = state
         self._sock = sock
@@ -99,6 +102,10 @@ class StreamBody:
     def __iter__(self) -> Iterator[bytes]:
         if self._flush_headers is not None:
             self._flush_headers()
+        if self._first_at is not None and pacing.wait_until_or_gone(self._sock, self._first_at):
+            pacing.hang_up(self._sock)
+            self._finish("aborted")
+            return
         for sent, (delay, payload) in enumerate(self._events):
             if self._drop_after is not None and sent >= self._drop_after:
                 pacing.hang_up(self._sock)

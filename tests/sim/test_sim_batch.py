@@ -91,3 +91,37 @@ def test_a_client_that_leaves_while_waiting_never_runs(start_sim) -> None:
     assert server.state.stats()["requests_aborted"] == 1
     assert gauges(server.url) == {"vllm:num_requests_running": 0.0,
                                   "vllm:num_requests_waiting": 0.0}
+
+
+def computed(server: Any) -> list[str]:
+    """Queue three prompts of priority 1 for the engine's prefill, then one of -1; the order
+    they answered in (one token each: they answer when their prefill is done)."""
+    done: list[str] = []
+
+    def one(name: str, priority: int) -> None:
+        assert ask(server.url, name + " " + "word " * 400, priority=priority) \
+            .status_code == 200
+        done.append(name)
+
+    jobs = []
+    for n in range(3):  # ~500 tokens each: ~0.25 s of prefill apiece
+        jobs.append(gevent.spawn(one, str(n), 1))
+        eventually(lambda n=n: gauges(server.url).get("vllm:num_requests_waiting") == n,
+                   what=f"{n} prefills queued behind the first")
+    jobs.append(gevent.spawn(one, "urgent", -1))
+    eventually(lambda: gauges(server.url).get("vllm:num_requests_waiting") == 3,
+               what="the urgent prompt queued")
+    gevent.joinall(jobs, raise_error=True, timeout=20)
+    return done
+
+
+def test_under_the_priority_policy_an_urgent_prompt_is_computed_before_waiting_ones(
+        start_sim) -> None:
+    """With the cost model, prompts queue for the engine's prefill: an urgent one sent last
+    answers right after the one computing, before the less urgent ones queued before it;
+    first come, first served under ``fcfs``."""
+    for policy, expected in (("priority", ["0", "urgent", "1", "2"]),
+                             ("fcfs", ["0", "1", "2", "urgent"])):
+        server = start_sim(role="prefill_decode", prefill_tokens_per_s=2000.0,
+                           max_model_len=4096, scheduling_policy=policy)
+        assert computed(server) == expected, policy

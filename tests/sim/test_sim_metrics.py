@@ -59,3 +59,22 @@ def test_the_clock_counts_prefills_not_started_and_blocks_held() -> None:
     assert abs(clock.backlog(now=10.5) - 1.0) < 1e-9
     clock.reset()
     assert clock.waiting(now=0.0) == 0 and clock.blocks_held(now=0.0) == 0
+
+
+def test_a_more_urgent_prompt_overtakes_the_waiting_ones_not_the_one_computing() -> None:
+    """vLLM's priority policy orders its waiting queue by (priority, arrival); a prefill that
+    started keeps its place (docs/behaviour.md#admission 11)."""
+    clock = EngineClock()
+    computing = clock.queue(1000, 1000.0, 1, now=10.0)  # 10.0 to 11.0
+    low = clock.queue(1000, 1000.0, 1, now=10.1)  # would run 11.0 to 12.0
+    high = clock.queue(500, 1000.0, -1, now=10.2)
+    assert (computing.end, high.start, high.end, low.end) == (11.0, 11.0, 11.5, 12.5)
+    same = clock.queue(100, 1000.0, -1, now=10.3)  # arrival order within a priority
+    assert same.start == high.end and abs(low.end - 12.6) < 1e-9
+    assert clock.waiting(now=11.2) == 2 and abs(clock.backlog(now=11.2) - 1.4) < 1e-9
+
+
+def test_first_come_first_served_prefills_keep_arrival_order() -> None:
+    clock = EngineClock()
+    jobs = [clock.queue(1000, 1000.0, 0, now=10.0 + 0.1 * n) for n in range(3)]
+    assert [j.end for j in jobs] == [11.0, 12.0, 13.0]
