@@ -313,6 +313,10 @@ _ADMISSION_KEYS = (
                   "set vLLM's `priority` from the tenant's class"),
     RosterSetting("share_by", Literal[SHARE_BY], "requests",
                   "what a tenant's weighted share counts: requests, or their tokens"),
+    RosterSetting("reserve", int, 0,
+                  "places of each instance with `max_concurrency` a class leaves free while "
+                  "a better class's request arrived in the last 5 s",
+                  "places", ge=0, le=100_000),
 )
 
 

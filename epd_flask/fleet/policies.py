@@ -70,7 +70,9 @@ class RouteRequest:
     session identity, or None; ``prompt_tokens``: the prompt's estimated length; ``tokens``:
     its token ids once known (None: not asked; empty: they cannot be known); ``model`` and
     ``base``: what every candidate must serve (docs/behaviour.md#models); ``exclude``: URLs a
-    failed attempt left, avoided while others exist.
+    failed attempt left, avoided while others exist; ``keep``: the places of each instance
+    with ``max_concurrency`` the request leaves free (admission's reserve for a better class,
+    docs/behaviour.md#admission).
     """
 
     model: str | None = None
@@ -81,6 +83,7 @@ class RouteRequest:
     session: bytes | None = None
     prompt_tokens: int = 0
     tokens: tuple[int, ...] | None = None
+    keep: int = 0
 
 
 @dataclass(frozen=True)

@@ -41,8 +41,8 @@ Readiness = tuple[bool, str]
 #: Hears every decision: (role, decision).
 Record = Callable[[str, Decision], None]
 #: Narrows a role's candidates that are not excluded to those a request should go to first
-#: (admission's instances with room, ``fleet/saturation.py``); never to none.
-Narrow = Callable[[str, list[Placement]], list[Placement]]
+#: (admission's instances with room for it, ``fleet/saturation.py``); never to none.
+Narrow = Callable[[str, RouteRequest, list[Placement]], list[Placement]]
 
 
 class CandidateSource(Protocol):
@@ -175,7 +175,7 @@ class Router:
         failed even when the only other one is full (docs/behaviour.md#admission)."""
         found = self.source(role).candidates(role, request.model, request.base)
         allowed = [c for c in found if c.url not in request.exclude] or found
-        return self._narrow(role, allowed) if self._narrow is not None else allowed
+        return self._narrow(role, request, allowed) if self._narrow is not None else allowed
 
     def lightest(self, role: str, request: RouteRequest) -> int:
         """The least load (``load(role).measure``) among the candidates of ``role`` that would

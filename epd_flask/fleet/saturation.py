@@ -22,7 +22,7 @@ from collections.abc import Callable
 from epd_flask.control.roster import ADMITTED_ROLES, Instance, admits
 from epd_flask.fleet.live import FleetView, LiveFleet
 from epd_flask.fleet.loadboard import LoadBoard
-from epd_flask.fleet.policies import Placement
+from epd_flask.fleet.policies import Placement, RouteRequest
 from epd_flask.fleet.registry import InstanceState
 from epd_flask.fleet.routing import ENGINE_MAX_AGE
 
@@ -83,16 +83,19 @@ class Capacity:
             self._active = admits(view.settings, view.tenants, view.instances)
         return self._active
 
-    def full(self, inst: Instance) -> bool:
+    def full(self, inst: Instance, keep: int = 0) -> bool:
+        """Whether ``inst`` takes no more now, for a request that leaves ``keep`` places of
+        a bounded instance free."""
         cap = inst.max_concurrency
         if cap is not None:
-            return self.board.count(inst.url) >= cap
+            return self.board.count(inst.url) >= cap - keep
         state = self.live.registry.get(inst.url)
         return state is not None and engine_full(self.waiting(state))
 
-    def room(self, role: str, model: str | None, reserved: int = 0) -> bool:
+    def room(self, role: str, model: str | None, reserved: int = 0, keep: int = 0) -> bool:
         """Whether a request of ``role`` for ``model`` could go out now, with ``reserved``
-        requests of this worker already let through for it and not yet routed. A role
+        requests of this worker already let through for it and not yet routed, leaving
+        ``keep`` places of each bounded instance free (held for a better class). A role
         with no live instance has room: the pipeline answers ``no_backend`` at once."""
         free = 0
         candidates = False
@@ -106,17 +109,19 @@ class Capacity:
                 if not engine_full(waiting(state)):
                     return True
                 continue
-            free += max(0, inst.max_concurrency - count(inst.url))
+            free += max(0, inst.max_concurrency - count(inst.url) - keep)
             if free > reserved:
                 return True
         return not candidates
 
-    def roomy(self, role: str, found: list[Placement]) -> list[Placement]:
-        """``found`` (a role's candidates an attempt may use) without the full ones, while
-        any is not full: a request let through goes where there is room. Applied after the
-        attempt's exclusions, so a retry leaves a failed instance for a full one rather than
-        going back to it (docs/behaviour.md#admission)."""
+    def roomy(self, role: str, request: RouteRequest,
+              found: list[Placement]) -> list[Placement]:
+        """``found`` (a role's candidates an attempt may use) without the full ones (for a
+        request that leaves ``request.keep`` places free), while any is not: a request let
+        through goes where there is room. Applied after the attempt's exclusions, so a retry
+        leaves a failed instance for a full one rather than going back to it
+        (docs/behaviour.md#admission)."""
         if role not in ADMITTED_ROLES or len(found) < 2 or not self.active:
             return found
-        full = self.full
-        return [c for c in found if not full(c.instance)] or found
+        full, keep = self.full, request.keep
+        return [c for c in found if not full(c.instance, keep)] or found

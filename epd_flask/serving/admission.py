@@ -24,7 +24,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import gevent
@@ -58,6 +58,9 @@ REASONS = ("queue_full", "queue_timeout", "client_gone", "rate_limit_requests",
            "rate_limit_tokens", "too_large")
 #: How long a stopping worker waits for the charge corrections under way.
 STOP_SECONDS = 2.0
+#: A class is active this long after its latest request arrived at the worker: meanwhile the
+#: classes after it leave ``admission.reserve`` places of each bounded instance free.
+ACTIVE_SECONDS = 5.0
 
 #: (model, the roles the request needs): one pool of capacity, one queue.
 Key = tuple[str | None, tuple[str, ...]]
@@ -113,7 +116,7 @@ class Ticket:
     """One admitted request's claims: its tenant's rate-limit charge, its reservation on
     each role, its places on instances. Told of the request's life by its context."""
 
-    __slots__ = ("event", "gate", "holds", "key", "prompt", "pushed_out", "ran", "record",
+    __slots__ = ("event", "gate", "holds", "keep", "key", "prompt", "pushed_out", "ran", "record",
                  "reserved", "settled", "stream", "takes", "tenant", "tokens", "used", "verdict",
                  "waiter")
 
@@ -135,6 +138,8 @@ class Ticket:
         #: A full queue refused it for a request that goes before it.
         self.pushed_out = False
         self.ran = False
+        #: The places of each bounded instance it leaves free (its class's when let through).
+        self.keep = 0
         self.settled = False
         self.used: int | None = None
 
@@ -237,6 +242,8 @@ class AdmissionGate:
         self.limiter = limiter
         self._queues: dict[Key, FairQueue] = {}
         self._reserved: Counter[tuple[str, str | None]] = Counter()
+        #: When each class's latest request arrived (by rank).
+        self._arrived = [-math.inf] * len(RANK)
         self.waiting = 0
         self._poller: gevent.Greenlet | None = None
         self.stats: dict[str, TenantStats] = {}
@@ -282,10 +289,11 @@ class AdmissionGate:
         return name if name is not None and name in self.live.view.tenants else DEFAULT_TENANT
 
     def admit(self, ctx: RequestContext, path_is_chat: bool, body: dict[str, Any],
-              tenant: str, plan: Plan) -> tuple[dict[str, Any], Ticket]:
+              tenant: str, plan: Plan) -> tuple[dict[str, Any], Ticket, Plan]:
         """Let the request through (perhaps after a wait), or raise why not; the body to send
-        (with vLLM's ``priority`` when the roster forwards it) and the request's ticket.
-        ``plan``: the pipeline's for the request (its model, estimate and roles)."""
+        (with vLLM's ``priority`` when the roster forwards it), the request's ticket and its
+        plan (``plan``, the pipeline's for the request: its model, estimate and roles; its
+        routing told the places its class leaves free)."""
         view = self.live.view
         settings = view.settings.admission or DEFAULTS
         record = tenant_of(view.tenants, tenant)
@@ -298,7 +306,10 @@ class AdmissionGate:
             self._charge(ticket)
         ctx.admitted = ticket
         started = time.monotonic()
-        if ticket.key not in self._queues and self._room(ticket.key):
+        rank = RANK[record.priority]
+        self._arrived[rank] = started
+        if ticket.key not in self._queues and self._room(ticket.key, rank):
+            ticket.keep = self._kept_for(rank)
             self._reserve(ticket)
         else:
             self._wait(ctx, ticket, settings)
@@ -307,7 +318,9 @@ class AdmissionGate:
         self.events.admission_admitted.fire(
             tenant, record.priority,
             time.monotonic() - started if ticket.waiter is not None else None)
-        return (with_priority(body, record) if settings.forward_priority else body), ticket
+        if ticket.keep:
+            plan = replace(plan, request=replace(plan.request, keep=ticket.keep))
+        return (with_priority(body, record) if settings.forward_priority else body), ticket, plan
 
     # -- rate limits ----------------------------------------------------------------------
 
@@ -366,10 +379,22 @@ class AdmissionGate:
 
     # -- capacity ------------------------------------------------------------------------
 
-    def _room(self, key: Key) -> bool:
+    def _room(self, key: Key, rank: int) -> bool:
+        """Whether a request of class ``rank`` needing ``key`` could go out now."""
         model, roles = key
         room = self.capacity.room
-        return all(room(role, model, self._reserved[role, model]) for role in roles)
+        keep = self._kept_for(rank)
+        return all(room(role, model, self._reserved[role, model], keep) for role in roles)
+
+    def _kept_for(self, rank: int) -> int:
+        """The places of each bounded instance a request of class ``rank`` leaves free: the
+        roster's ``reserve`` while a better class is active, else none."""
+        reserve = self.settings().reserve
+        if not reserve or not rank:
+            return 0
+        now = time.monotonic()
+        return reserve if any(now - self._arrived[r] < ACTIVE_SECONDS
+                              for r in range(rank)) else 0
 
     def _reserve(self, ticket: Ticket) -> None:
         model, roles = ticket.key
@@ -459,7 +484,7 @@ class AdmissionGate:
 
     def _dispatch(self) -> None:
         for key, queue in sorted(self._queues.items(), key=lambda kv: kv[1].best_rank()):
-            while len(queue) and self._room(key):
+            while len(queue) and self._room(key, queue.best_rank()):
                 waiter = queue.pop()
                 if waiter is not None:
                     self._grant(waiter)
@@ -469,6 +494,7 @@ class AdmissionGate:
     def _grant(self, waiter: Waiter) -> None:
         ticket: Ticket = waiter.payload
         self._queued(ticket, -1)
+        ticket.keep = self._kept_for(waiter.rank)
         self._reserve(ticket)
         assert ticket.event is not None
         ticket.event.set()

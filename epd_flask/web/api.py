@@ -179,8 +179,8 @@ def completion(req: Request, svc: Services) -> Response:
         if gate is not None and gate.enabled:
             # docs/behaviour.md#admission: refused, or let through after a wait for capacity
             plan = svc.pipeline.plan(body, ctx)
-            body, ticket = gate.admit(ctx, req.path == CHAT_PATH, body,
-                                      gate.tenant_of(req.headers.get, key_tenant), plan)
+            body, ticket, plan = gate.admit(ctx, req.path == CHAT_PATH, body,
+                                            gate.tenant_of(req.headers.get, key_tenant), plan)
         reply = svc.pipeline.completion(req.path, body, ctx, plan)
         if ticket is not None:
             reply.headers.extend(ticket.answered(reply.body))

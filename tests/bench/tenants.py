@@ -10,10 +10,15 @@ load, open loop from a separate process (replay.py), for ``DURATION`` seconds:
 - ``batch``: non-streamed jobs with short prompts and long answers, Poisson at ten times its
   weighted share of the fleet (its weight over both tenants' weights, times the fleet's
   throughput measured with batch alone).
+The engines run vLLM's ``--scheduling-policy priority`` in every target: a request without a
+``priority`` gets 0, so only a target that sends one sees anything but first come, first served.
 Targets, each on a fresh fleet state: chat alone through epd-flask with admission (the
-reference), then chat + batch through epd-flask with admission (sharing by requests, and by
-tokens), through epd-flask without admission (what it did before), and through vllm-router
-with ``--max-concurrent-requests`` (its rate limiter: one global first-come queue). Reported:
+reference), then chat + batch through epd-flask with admission (one class, sharing by
+requests, and by tokens; then chat ``high`` and batch ``low`` with ``forward_priority``, so
+the engines compute chat's prompts first, and ``reserve``, so batch leaves a few places of each
+engine free while chat is active), through epd-flask without admission (what it did
+before), and through vllm-router with ``--max-concurrent-requests`` (its rate limiter: one
+global first-come queue). Reported:
 chat's TTFT p50/p99 and its ratio to alone, batch's completions per second against its share,
 and what was lost: a request that neither completed nor got a 429/503 with ``Retry-After``.
 Bounded: every request has a timeout, every run its duration plus a drain.
@@ -46,24 +51,30 @@ BOUND = SEATS
 FIGURES = {"prefill_tokens_per_s": 15000.0, "token_delay": 0.008,
            "token_delay_per_stream": 0.00015, "ttft": 0.0, "output_tokens": 1000}
 DURATION = 60.0
-#: The loaded targets: admission sharing by requests, by tokens, none, vllm-router.
-TARGETS = ("requests", "tokens", "none", "router")
+#: The loaded targets: admission sharing by requests, by tokens, with classes, none,
+#: vllm-router.
+TARGETS = ("requests", "tokens", "classes", "none", "router")
 INTERACTIVE_RATE = 2.0
 #: Prompt characters (~4 per token) and answer tokens of each tenant's requests.
 CHAT_PROMPT, CHAT_TOKENS = 6000, 16
 BATCH_PROMPT, BATCH_TOKENS = 800, 128
 WEIGHTS = {"chat": 4, "batch": 1}
+#: The tenants' classes in the ``classes`` target (one class, ``normal``, in the others).
+CLASSES = {"chat": "high", "batch": "low"}
+#: ``admission.reserve`` in the ``classes`` target: places of each engine batch leaves free
+#: while chat is active (``--reserve``; 0: the target's row is priorities alone).
+RESERVE = 2
 FLOOD = 10.0
 TIMEOUT = 60.0
 QUEUE_TIMEOUT = 10
 MAX_QUEUE = 400
 
 
-def set_run(seconds: float, bound: int) -> None:
-    """A partial run's own length of load and bound (exploration; a whole run keeps the
-    module's)."""
-    global DURATION, BOUND
-    DURATION, BOUND = seconds, bound
+def set_run(seconds: float, bound: int, reserve: int) -> None:
+    """A partial run's own length of load, bound and reserve (exploration; a whole run keeps
+    the module's)."""
+    global DURATION, BOUND, RESERVE
+    DURATION, BOUND, RESERVE = seconds, bound, reserve
 
 
 def words(n_chars: int, rng: random.Random) -> str:
@@ -90,11 +101,13 @@ def trace(rate_chat: float, rate_batch: float, seed: int) -> list[dict[str, Any]
     return sorted(items, key=lambda item: item["t"])
 
 
-def roster(urls: list[str], admission: dict[str, Any] | None) -> str:
+def roster(urls: list[str], admission: dict[str, Any] | None, classes: bool = False) -> str:
     lines = []
     if admission is not None:
         lines += ["settings:", f"  admission: {json.dumps(admission)}", "tenants:"]
-        lines += [f"  {name}: {{weight: {w}}}" for name, w in WEIGHTS.items()]
+        lines += [f"  {name}: {{weight: {w}"
+                  + (f", priority: {CLASSES[name]}}}" if classes else "}")
+                  for name, w in WEIGHTS.items()]
     lines.append("instances:")
     bound = f", max_concurrency: {BOUND}" if admission is not None else ""
     lines += [f'  - {{role: prefill_decode, url: "{u}"{bound}}}' for u in urls]
@@ -102,9 +115,9 @@ def roster(urls: list[str], admission: dict[str, Any] | None) -> str:
 
 
 def start_epd(fleet: Fleet, workdir: Path, urls: list[str],
-              admission: dict[str, Any] | None) -> str:
+              admission: dict[str, Any] | None, classes: bool = False) -> str:
     path = workdir / f"roster-{time.monotonic_ns()}.yaml"
-    path.write_text(roster(urls, admission))
+    path.write_text(roster(urls, admission, classes))
     port = free_port()
     proc = fleet.spawn(f"epd-{port}", [str(BIN / "gunicorn"), "-c", str(GUNICORN_CONF),
                                        "wsgi:app"], env={
@@ -164,6 +177,7 @@ def summarize(name: str, items: list[dict[str, Any]], done: list[dict[str, Any]]
             "batch_sent": len(batch), "batch_ok": sum(r["ok"] for r in batch),
             "batch_per_s": during / DURATION, "share_per_s": share,
             "refused": refused(chat) + refused(batch), "lost": lost(chat) + lost(batch),
+            "ttft_top": [round(t * 1000) for t in sorted(ttfts)[-5:]],
             "errors": sorted({r.get("error", "")[:100] for r in done if not r["ok"]})[:3]}
 
 
@@ -177,7 +191,8 @@ def measure(args: argparse.Namespace, workdir: Path) -> tuple[list[dict[str, Any
     fleet = Fleet(workdir)
     rows: list[dict[str, Any]] = []
     try:
-        urls = [fleet.sim("prefill_decode", "--max-num-seqs", str(SEATS))[0]
+        urls = [fleet.sim("prefill_decode", "--max-num-seqs", str(SEATS),
+                          "--scheduling-policy", "priority")[0]
                 for _ in range(INSTANCES)]
         for url in urls:
             configure(url, FIGURES)
@@ -197,14 +212,18 @@ def measure(args: argparse.Namespace, workdir: Path) -> tuple[list[dict[str, Any
                               replay(epd, alone), None))
         load = trace(INTERACTIVE_RATE, flood, args.seed + 1)
         for key, name, admission in [
-                ("requests", "epd-flask, admission (share_by requests)", {**admitted}),
-                ("tokens", "epd-flask, admission (share_by tokens)",
+                ("requests", "epd-flask, admission (one class, share_by requests)",
+                 {**admitted}),
+                ("tokens", "epd-flask, admission (one class, share_by tokens)",
                  {**admitted, "share_by": "tokens"}),
+                ("classes", "epd-flask, admission (chat high, batch low, forward_priority"
+                 + (f", reserve {RESERVE}" if RESERVE else "") + ")",
+                 {**admitted, "forward_priority": True, "reserve": RESERVE}),
                 ("none", "epd-flask, no admission", None)]:
             if key not in args.targets:
                 continue
             reset(urls)
-            target = start_epd(fleet, workdir, urls, admission)
+            target = start_epd(fleet, workdir, urls, admission, classes=key == "classes")
             rows.append(summarize(name, load, replay(target, load), share))
             print(rows[-1], file=sys.stderr)
         if args.router and "router" in args.targets:
@@ -230,9 +249,15 @@ def render(rows: list[dict[str, Any]], capacity: float, meta: dict[str, Any]) ->
         f"{FIGURES['prefill_tokens_per_s']:.0f} prompt tokens/s, "
         f"{FIGURES['token_delay'] * 1000:.0f} ms per token + "
         f"{FIGURES['token_delay_per_stream'] * 1000:.2f} ms per other running request; "
-        f"`--max-num-seqs {SEATS}` each); epd-flask 1 worker, `max_concurrency: {BOUND}`, "
+        f"`--max-num-seqs {SEATS} --scheduling-policy priority` each: a request without "
+        "`priority` gets 0, so only the row that forwards one is not first come, first "
+        f"served); epd-flask 1 worker, `max_concurrency: {BOUND}`, "
         f"`queue_timeout: {QUEUE_TIMEOUT}`, `max_queue: {MAX_QUEUE}`, tenants chat "
-        f"(weight {WEIGHTS['chat']}) and batch (weight {WEIGHTS['batch']}), one class. "
+        f"(weight {WEIGHTS['chat']}) and batch (weight {WEIGHTS['batch']}), one class "
+        f"except where the row says chat {CLASSES['chat']} and batch {CLASSES['batch']} "
+        "(then `forward_priority: true`"
+        + (f" and `reserve: {RESERVE}`: batch leaves {RESERVE} places of each engine free while "
+           "chat is active" if RESERVE else "") + "). "
         f"{DURATION:.0f} s of open-loop load: chat streams ~{CHAT_PROMPT // 4} prompt tokens, "
         f"{CHAT_TOKENS} answer tokens, Poisson {INTERACTIVE_RATE:g}/s; batch non-streamed, "
         f"~{BATCH_PROMPT // 4} prompt tokens, {BATCH_TOKENS} answer tokens, at "
@@ -267,18 +292,21 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds of load per target")
     p.add_argument("--bound", type=int, default=BOUND,
                    help="the proxy's max_concurrency per engine")
+    p.add_argument("--reserve", type=int, default=RESERVE,
+                   help="admission.reserve in the classes target")
     p.add_argument("--targets", default=",".join(TARGETS),
                    help="which of the loaded targets run (chat alone always does)")
     p.add_argument("--report", type=Path, default=None,
                    help="the page whose tenants block the run replaces (default: "
-                   "docs/benchmarks.md for a whole run; none when --duration or --targets "
-                   "or --bound make it a partial one)")
+                   "docs/benchmarks.md for a whole run; none when --duration, --targets, "
+                   "--bound or --reserve make it a partial one)")
     args = p.parse_args(argv)
     args.targets = set(args.targets.split(","))
-    partial = args.duration != DURATION or args.targets != set(TARGETS) or args.bound != BOUND
+    partial = (args.duration != DURATION or args.targets != set(TARGETS)
+               or args.bound != BOUND or args.reserve != RESERVE)
     if args.report is None and not partial:
         args.report = report.PAGE
-    set_run(args.duration, args.bound)
+    set_run(args.duration, args.bound, args.reserve)
     if args.router and not Path(args.router).exists():
         print(f"{args.router} not found; running without vllm-router", file=sys.stderr)
         args.router = ""

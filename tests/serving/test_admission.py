@@ -269,3 +269,35 @@ def test_a_retry_leaves_the_failed_decode_for_a_full_one(sim, proxy) -> None:
     assert failing.state.stats()["failed_injected"] == 1
     assert full.state.stats()["completions"] == 2
     second.hang_up()
+
+
+def test_a_lower_class_leaves_the_reserve_free_while_a_better_one_is_active(sim,
+                                                                            proxy) -> None:
+    """``reserve``: after a ``high`` request, a ``normal`` one waits for the instance's last
+    place although it is free, and the next ``high`` request takes it at once."""
+    server = sim("prefill_decode", token_delay=0.05, output_tokens=400)
+    doc = roster(combined=[(server, {"max_concurrency": 2})],
+                 admission={**ADMISSION, "reserve": 1})
+    doc["tenants"] = TENANTS
+    px = proxy(doc)
+    gate = px.services.admission
+    assert post(px, "chat", "chat first").status_code == 200
+    held = hold_the_place(px)  # the default tenant, normal: the first place
+    waiting = gevent.spawn(post, px, "a", "normal waits")
+    eventually(lambda: gate.waiting == 1, what="the normal request waiting beside a free place")
+    assert post(px, "chat", "chat again").status_code == 200, "the reserve is high's at once"
+    assert gate.waiting == 1 and "normal waits" not in arrivals(server)
+    held.hang_up()
+    assert waiting.get(timeout=30).status_code == 200
+    assert arrivals(server)[-1] == "normal waits"
+
+
+def test_without_a_better_class_the_reserve_is_anyones(sim, proxy) -> None:
+    server = sim("prefill_decode", token_delay=0.05, output_tokens=400)
+    doc = roster(combined=[(server, {"max_concurrency": 2})],
+                 admission={**ADMISSION, "reserve": 1})
+    doc["tenants"] = TENANTS
+    px = proxy(doc)
+    held = hold_the_place(px)
+    assert post(px, "a", "normal takes the last place").status_code == 200
+    held.hang_up()

@@ -12,7 +12,7 @@ from epd_flask.control.statedir import StateDir
 from epd_flask.fleet import loadboard
 from epd_flask.fleet.live import LiveFleet
 from epd_flask.fleet.loadboard import LoadBoard
-from epd_flask.fleet.policies import candidates_of
+from epd_flask.fleet.policies import RouteRequest, candidates_of
 from epd_flask.fleet.routing import LiveInstances
 from epd_flask.fleet.saturation import ENGINE_WAITING_FULL, Capacity
 
@@ -147,11 +147,12 @@ def test_routing_prefers_instances_with_room() -> None:
     board = LoadBoard(None)
     capacity = Capacity(live, board)
     found = LiveInstances(live).candidates("prefill_decode", None, None)
-    assert [c.url for c in capacity.roomy("prefill_decode", found)] == [A, B]
+    anyone = RouteRequest()
+    assert [c.url for c in capacity.roomy("prefill_decode", anyone, found)] == [A, B]
     board.add(A, 2)
-    assert [c.url for c in capacity.roomy("prefill_decode", found)] == [B]
+    assert [c.url for c in capacity.roomy("prefill_decode", anyone, found)] == [B]
     board.add(B, 2)  # every one full: all stay candidates (admission held the request back)
-    assert len(capacity.roomy("prefill_decode", found)) == 2
+    assert len(capacity.roomy("prefill_decode", anyone, found)) == 2
 
 
 def test_without_admission_nothing_is_filtered() -> None:
@@ -160,4 +161,18 @@ def test_without_admission_nothing_is_filtered() -> None:
     capacity = Capacity(live, LoadBoard(None))
     assert not capacity.active
     found = LiveInstances(live).candidates("prefill_decode", None, None)
-    assert candidates_of(live.view.instances) == capacity.roomy("prefill_decode", found)
+    assert candidates_of(live.view.instances) == capacity.roomy("prefill_decode",
+                                                                RouteRequest(), found)
+
+
+def test_a_request_that_leaves_a_reserve_routes_where_more_is_free() -> None:
+    live = fleet(max_concurrency=3)
+    board = LoadBoard(None)
+    capacity = Capacity(live, board)
+    found = LiveInstances(live).candidates("prefill_decode", None, None)
+    board.add(A, 2)
+    assert [c.url for c in capacity.roomy("prefill_decode", RouteRequest(keep=1), found)] == [B]
+    assert capacity.room("prefill_decode", None, reserved=1, keep=1)  # B's 3 - 1 kept
+    assert not capacity.room("prefill_decode", None, reserved=2, keep=1)
+    assert capacity.room("prefill_decode", None, reserved=2)
+    assert [c.url for c in capacity.roomy("prefill_decode", RouteRequest(), found)] == [A, B]
