@@ -53,7 +53,8 @@ COMMON_ARGS = ("--max-model-len", "512", "--enforce-eager", "--block-size", "32"
 NICE = 10
 
 
-#: Where three servers share the two cores (Mooncake routing), the decode's core is its own.
+#: Where three servers share the two cores (Mooncake and NIXL routing), the decode's core is
+#: its own.
 #: While a request waits for remote KV the decode's engine steps without pause and its worker
 #: spins on sched_yield between steps (vLLM's shared-memory queue busy-polls for 1 s after
 #: each read), so a prefill pinned to the same core gets next to no CPU: the decode waited for
@@ -424,10 +425,11 @@ def _nixl_with_events(prefix: str,
 
 def _kv() -> list[VllmServer]:
     """Two NIXL prefills that publish KV-cache events, and one decode: kv_aware routing's
-    fleet. Three servers on two cores (~4.5 GB)."""
-    return _nixl_with_events("kv", (("prefill-a", "prefill", "kv_producer", 0, True),
-                                    ("prefill-b", "prefill", "kv_producer", 1, True),
-                                    ("decode", "decode", "kv_consumer", 0, False)))
+    fleet. Three servers on two cores (~4.5 GB): the prefills share one, the decode has the
+    other (``DECODE_CORE``; a prefill beside it sent no KV while it waited for it)."""
+    return _nixl_with_events("kv", (("prefill-a", "prefill", "kv_producer", PREFILL_CORE, True),
+                                    ("prefill-b", "prefill", "kv_producer", PREFILL_CORE, True),
+                                    ("decode", "decode", "kv_consumer", DECODE_CORE, False)))
 
 
 def _kv_decode() -> list[VllmServer]:
