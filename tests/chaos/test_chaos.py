@@ -56,7 +56,15 @@ class Fault:
     recover: Callable[[Fleet, str, Phase], None]
 
 
+#: Enough refusals to cover every request that may arrive between the count and the kill.
+REFUSE_ALL = 1_000_000
+
+
 def kill(fleet: Fleet, url: str, phase: Phase) -> None:
+    """What runs on the instance is counted, then it dies: from the count on it refuses new
+    work before a byte (the proxy retries that elsewhere), so a stream started between the
+    count and the kill cannot be cut by it (under load one did, and failed the bound)."""
+    fleet.sims[url].control("faults", fail_next=REFUSE_ALL)
     phase.in_flight_at_fault = fleet.sims[url].stats()["in_flight"]
     fleet.kill(url)
 
