@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
@@ -123,6 +124,22 @@ def publish_until_ready(kv: KVEvents, pub: Publisher, url: str, tokens: list[int
         pub.store(tokens)
         return eventually(seen, 0.1)
     eventually(sent_and_seen, interval=0, what="the reader hearing the publisher")
+
+
+@contextlib.contextmanager
+def one_ready_reader(publishers: list[Publisher],
+                     heard: Heard) -> Iterator[tuple[str, KVEvents, Router]]:
+    """One instance whose reader is connected and has heard ``PROMPT`` stored: its URL, the
+    readers and the router; the readers stop on leaving."""
+    registry, kv, router = fleet(publishers, 1, heard.events)
+    url = registry.instances()[0].url
+    kv.sync()
+    try:
+        assert eventually(lambda: connected(kv, 1))
+        publish_until_ready(kv, publishers[0], url, PROMPT)
+        yield url, kv, router
+    finally:
+        kv.stop()
 
 
 def matched(kv: KVEvents, url: str, tokens: list[int]) -> int:
@@ -532,12 +549,7 @@ def test_a_message_claiming_more_events_than_any_step_has_is_dropped_unread(
         publishers: list[Publisher], heard: Heard) -> None:
     """Its count is read before any event is decoded: too many, and the whole message goes,
     counted as dropped; the picture that missed it is stale, and kv_aware says so."""
-    registry, kv, router = fleet(publishers, 1, heard.events)
-    url = registry.instances()[0].url
-    kv.sync()
-    try:
-        assert eventually(lambda: connected(kv, 1))
-        publish_until_ready(kv, publishers[0], url, PROMPT)
+    with one_ready_reader(publishers, heard) as (url, kv, router):
         bomb = msgpack.packb([1.0, [0] * (kvevents.MAX_MESSAGE_EVENTS + 1)])
         publishers[0].send(bomb)
         assert eventually(lambda: heard.counts.get((url, "dropped"), 0) == 1)
@@ -545,8 +557,6 @@ def test_a_message_claiming_more_events_than_any_step_has_is_dropped_unread(
         assert kv.picture(url) is None
         _chosen, why = route(router, {"model": "m", "prompt": PROMPT})
         assert why[0].startswith("prefill:kv_aware(stale,")
-    finally:
-        kv.stop()
 
 
 def test_a_burst_after_a_quiet_spell_is_read_not_dropped(
@@ -554,12 +564,7 @@ def test_a_burst_after_a_quiet_spell_is_read_not_dropped(
     """Behind means finding more queued after every message for a while; a reader that waited
     for the publisher is not behind when the publisher's next step sends several at once (an
     engine idle between requests does exactly that)."""
-    registry, kv, router = fleet(publishers, 1, heard.events)
-    url = registry.instances()[0].url
-    kv.sync()
-    try:
-        assert eventually(lambda: connected(kv, 1))
-        publish_until_ready(kv, publishers[0], url, PROMPT)
+    with one_ready_reader(publishers, heard) as (url, kv, router):
         gevent.sleep(kvevents.BEHIND_SECONDS * 1.5)
         burst = [[7000 + 10 * n + i for i in range(BLOCK)] for n in range(20)]
         for tokens in burst:  # all queued before the reader wakes
@@ -568,8 +573,6 @@ def test_a_burst_after_a_quiet_spell_is_read_not_dropped(
         assert heard.counts.get((url, "dropped"), 0) == 0
         _chosen, why = route(router, {"model": "m", "prompt": PROMPT})
         assert not why[0].startswith("prefill:kv_aware(stale,"), why
-    finally:
-        kv.stop()
 
 
 def _frames(seq: int, payload: bytes) -> list[bytes]:
