@@ -14,9 +14,9 @@ in-process tests); a file whose worker died is skipped from the next refresh on 
 gone) and removed by the master when it reaps the worker, or by the worker when it stops.
 
 A file: a header (magic, a layout generation, slots used), then slots of (key, one count per
-field: ``RUNNING``, ``CALLS``, ``TOKENS``), the key being the first 8 bytes of blake2b of the
-instance's URL. Slots are appended; a full file is compacted (slots whose counts are all 0
-dropped) under a new generation, which tells readers to index it again.
+field: ``RUNNING``, ``CALLS``, ``TOKENS``, ``UNANSWERED``'s two), the key being the first 8
+bytes of blake2b of the instance's URL. Slots are appended; a full file is compacted (slots
+whose counts are all 0 dropped) under a new generation, which tells readers to index it again.
 """
 
 from __future__ import annotations
@@ -35,12 +35,15 @@ from epd_flask.control.statedir import LOAD_PREFIX, LOAD_SUFFIX, running
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"EPDLOAD2"
+MAGIC = b"EPDLOAD3"
 HEADER = struct.Struct("<8sQQ")  # magic, generation, slots used
 #: The counts of a slot: the requests admission let run there; the upstream calls open there;
-#: the estimated prompt tokens of those calls.
+#: the estimated prompt tokens of those calls; and per class better than the worst (``high``,
+#: ``normal``), the estimated prompt tokens of that class's requests routed there whose answer
+#: has not begun (docs/behaviour.md#admission, rule 14).
 RUNNING, CALLS, TOKENS = 0, 1, 2
-FIELDS = 3
+UNANSWERED = (3, 4)
+FIELDS = 5
 SLOT = struct.Struct(f"<Q{FIELDS}q")  # key, counts
 COUNTS = struct.Struct(f"<{FIELDS}q")
 COUNT = struct.Struct("<q")
@@ -150,7 +153,8 @@ class LoadBoard:
 
     def add(self, url: str, delta: int, field: int = RUNNING) -> None:
         """A request of this worker started (+1) or stopped (-1) running on ``url``; with
-        ``field``, a call opened or closed there (``CALLS``), or its tokens (``TOKENS``)."""
+        ``field``, a call opened or closed there (``CALLS``), its tokens (``TOKENS``), or a
+        class's unanswered prompt tokens (``UNANSWERED``)."""
         values = self._own.get(url)
         if values is None:
             if delta <= 0:

@@ -72,7 +72,9 @@ class RouteRequest:
     ``base``: what every candidate must serve (docs/behaviour.md#models); ``exclude``: URLs a
     failed attempt left, avoided while others exist; ``keep``: the places of each instance
     with ``max_concurrency`` the request leaves free (admission's reserve for a better class,
-    docs/behaviour.md#admission).
+    docs/behaviour.md#admission); ``rank``: the request's class when routing keeps it apart
+    from the unanswered prompts of its class and better ones (admission with
+    ``forward_priority``, docs/behaviour.md#admission), None when nothing is kept apart.
     """
 
     model: str | None = None
@@ -84,6 +86,7 @@ class RouteRequest:
     prompt_tokens: int = 0
     tokens: tuple[int, ...] | None = None
     keep: int = 0
+    rank: int | None = None
 
 
 @dataclass(frozen=True)

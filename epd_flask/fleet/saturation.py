@@ -10,8 +10,10 @@ holds ``ENGINE_WAITING_FULL`` or more. The engine's figure is as old as its last
 backlog of prefills to start held every request of a bounded instance back for a second after
 each read (the benchmark's interactive tenant waited 0.73 s at the median instead of 0.15 s),
 so where the operator gave a bound, the bound decides. Among the instances an attempt may use,
-routing prefers those that are not full (``Capacity.roomy``, the router's last narrowing);
-admission holds a request back while every candidate of a role it needs is full.
+routing prefers those that are not full (``Capacity.roomy``, the router's last narrowing) and,
+for a class the engines compute first, those with the least of its class's prompts still
+unanswered (``Capacity.apart``); admission holds a request back while every candidate of a role
+it needs is full.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from collections.abc import Callable
 
 from epd_flask.control.roster import ADMITTED_ROLES, Instance, admits
 from epd_flask.fleet.live import FleetView, LiveFleet
-from epd_flask.fleet.loadboard import LoadBoard
+from epd_flask.fleet.loadboard import UNANSWERED, LoadBoard
 from epd_flask.fleet.policies import Placement, RouteRequest
 from epd_flask.fleet.registry import InstanceState
 from epd_flask.fleet.routing import ENGINE_MAX_AGE
@@ -124,4 +126,24 @@ class Capacity:
         if role not in ADMITTED_ROLES or len(found) < 2 or not self.active:
             return found
         full, keep = self.full, request.keep
-        return [c for c in found if not full(c.instance, keep)] or found
+        found = [c for c in found if not full(c.instance, keep)] or found
+        return self.apart(found, request.rank) if request.rank is not None else found
+
+    def unanswered(self, url: str, rank: int) -> int:
+        """The estimated prompt tokens of this host's requests of class ``rank`` or better
+        routed to ``url`` whose answer has not begun."""
+        counts = self.board.counts(url)
+        return sum(counts[field] for field in UNANSWERED[:rank + 1])
+
+    def apart(self, found: list[Placement], rank: int) -> list[Placement]:
+        """Those of ``found`` with the fewest unanswered prompt tokens of class ``rank`` or
+        better: an engine that computes better classes first (vLLM's priority scheduling)
+        makes a request wait for those prompts only, which a policy's load (every call,
+        whatever its class) does not show. Two interactive requests a few milliseconds
+        apart then go to two engines instead of one waiting for the other's prefill
+        (docs/behaviour.md#admission, rule 14)."""
+        if len(found) < 2 or rank >= len(UNANSWERED):
+            return found
+        ahead = {c.url: self.unanswered(c.url, rank) for c in found}
+        least = min(ahead.values())
+        return [c for c in found if ahead[c.url] == least]

@@ -24,6 +24,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -35,11 +36,11 @@ from epd_flask.control.roster import Admission as AdmissionSettings
 from epd_flask.core.errors import ClientDisconnected, Overloaded, ProxyError, RateLimited
 from epd_flask.core.events import Events
 from epd_flask.fleet.live import LiveFleet
+from epd_flask.fleet.loadboard import UNANSWERED
 from epd_flask.fleet.saturation import Capacity
 from epd_flask.serving import fields, ratelimit, usage
 from epd_flask.serving.context import RequestContext
 from epd_flask.serving.fairqueue import RANK, FairQueue, Waiter
-from epd_flask.serving.legs import CLIENT_CHECK_INTERVAL
 from epd_flask.serving.pipeline import Plan
 from epd_flask.serving.ratelimit import REQUESTS, TOKENS, Take, Verdict
 from epd_flask.serving.redisstore import Limiter
@@ -116,9 +117,9 @@ class Ticket:
     """One admitted request's claims: its tenant's rate-limit charge, its reservation on
     each role, its places on instances. Told of the request's life by its context."""
 
-    __slots__ = ("event", "gate", "holds", "keep", "key", "prompt", "pushed_out", "ran", "record",
-                 "reserved", "settled", "stream", "takes", "tenant", "tokens", "used", "verdict",
-                 "waiter")
+    __slots__ = ("apart", "event", "gate", "gone", "holds", "keep", "key", "prompt", "pushed_out",
+                 "ran", "record", "reserved", "settled", "stream", "takes", "tenant", "tokens",
+                 "unanswered", "used", "verdict", "waiter")
 
     def __init__(self, gate: AdmissionGate, tenant: str, record: Tenant, key: Key,
                  prompt: int, tokens: int, stream: bool) -> None:
@@ -137,9 +138,15 @@ class Ticket:
         self.event: Event | None = None
         #: A full queue refused it for a request that goes before it.
         self.pushed_out = False
+        #: Its client hung up while it waited.
+        self.gone = False
         self.ran = False
         #: The places of each bounded instance it leaves free (its class's when let through).
         self.keep = 0
+        #: Its class when routing keeps it apart from better-or-equal classes' unanswered
+        #: prompts (and counts its own where it goes until its answer begins), else None.
+        self.apart: int | None = None
+        self.unanswered: set[str] = set()
         self.settled = False
         self.used: int | None = None
 
@@ -152,10 +159,21 @@ class Ticket:
         if role in self.reserved:
             self.reserved.discard(role)
             self.gate.unreserve(role, self.key[0])
-        if role in ADMITTED_ROLES and url not in self.holds:
+        if role not in ADMITTED_ROLES:
+            return
+        if url not in self.holds:
             self.holds.add(url)
             self.ran = True
             self.gate.capacity.board.add(url, 1)
+        if self.apart is not None and url not in self.unanswered:
+            self.unanswered.add(url)
+            self.gate.capacity.board.add(url, max(1, self.prompt), UNANSWERED[self.apart])
+
+    def answering(self) -> None:
+        """Decode's answer began: the prompt is computed, nothing of this request is ahead
+        of another's prefill any more."""
+        if self.unanswered:
+            self._release_unanswered()
 
     def retried(self) -> None:
         """The attempt failed: its instances' places are free (the next attempt routes
@@ -230,6 +248,15 @@ class Ticket:
         for url in self.holds:
             board.add(url, -1)
         self.holds.clear()
+        if self.unanswered:
+            self._release_unanswered()
+
+    def _release_unanswered(self) -> None:
+        assert self.apart is not None
+        board, field, weight = self.gate.capacity.board, UNANSWERED[self.apart], max(1, self.prompt)
+        for url in self.unanswered:
+            board.add(url, -weight, field)
+        self.unanswered.clear()
 
 
 class AdmissionGate:
@@ -251,6 +278,9 @@ class AdmissionGate:
         self.events = events if events is not None else Events()
         self._corrections: list[tuple[str, list[Take]]] = []
         self._corrector: gevent.Greenlet | None = None
+        #: The classes kept apart (rule 14): those better than the roster's worst, while
+        #: ``forward_priority`` has the engines compute them first; none otherwise.
+        self._apart_below = 0
         live.subscribe(self._reconfigure)
         self._reconfigure(None, live.view)
 
@@ -260,10 +290,12 @@ class AdmissionGate:
 
     def _reconfigure(self, old: Any, new: Any) -> None:
         settings = new.settings.admission or DEFAULTS
+        classes = [(name, tenant_of(new.tenants, name).priority)
+                   for name in sorted({*new.tenants, DEFAULT_TENANT})]
+        self._apart_below = max(RANK[priority] for _, priority in classes) \
+            if settings.forward_priority else 0
         if admits(new.settings, new.tenants, new.instances):
-            self.events.admission_tenants.fire(
-                [(name, tenant_of(new.tenants, name).priority)
-                 for name in sorted({*new.tenants, DEFAULT_TENANT})])
+            self.events.admission_tenants.fire(classes)
         try:
             self.limiter.configure(settings.store)
         except Exception as exc:  # a store the client library refuses: count per host
@@ -308,6 +340,8 @@ class AdmissionGate:
         started = time.monotonic()
         rank = RANK[record.priority]
         self._arrived[rank] = started
+        if rank < self._apart_below:
+            ticket.apart = rank
         if ticket.key not in self._queues and self._room(ticket.key, rank):
             ticket.keep = self._kept_for(rank)
             self._reserve(ticket)
@@ -318,8 +352,9 @@ class AdmissionGate:
         self.events.admission_admitted.fire(
             tenant, record.priority,
             time.monotonic() - started if ticket.waiter is not None else None)
-        if ticket.keep:
-            plan = replace(plan, request=replace(plan.request, keep=ticket.keep))
+        if ticket.keep or ticket.apart is not None:
+            plan = replace(plan, request=replace(plan.request, keep=ticket.keep,
+                                                 rank=ticket.apart))
         return (with_priority(body, record) if settings.forward_priority else body), ticket, plan
 
     # -- rate limits ----------------------------------------------------------------------
@@ -426,22 +461,29 @@ class AdmissionGate:
         if not waiter.done and self._poller is None:
             self._poller = gevent.spawn(self._poll)
         deadline = time.monotonic() + settings.queue_timeout
-        client_gone = ctx.client_gone
-        while not ticket.event.wait(min(CLIENT_CHECK_INTERVAL,
-                                        max(0.0, deadline - time.monotonic()))) \
-                or ticket.pushed_out:
-            if ticket.pushed_out:
-                self.refused(ticket.tenant, "queue_full")
-                raise _queue_full(self.waiting)
-            if client_gone is not None and client_gone():
-                self.refused(ticket.tenant, "client_gone")
-                raise ClientDisconnected("client closed the connection while its request "
-                                         "waited for capacity; nothing was sent upstream")
-            if time.monotonic() >= deadline:
+
+        def gone() -> None:
+            if not waiter.done:
                 self.leave(ticket)
-                self.refused(ticket.tenant, "queue_timeout")
-                raise Overloaded(f"no capacity for this request within {settings.queue_timeout:g}"
-                                 " s (admission.queue_timeout); retry shortly")
+                ticket.gone = True
+                event.set()
+        event = ticket.event
+        with ctx.client.watched(gone) if ctx.client is not None else nullcontext():
+            while not event.wait(max(0.0, deadline - time.monotonic())) \
+                    and time.monotonic() < deadline:
+                pass  # woken early by nothing: gevent's timer may fire a hair before time
+        if ticket.pushed_out:
+            self.refused(ticket.tenant, "queue_full")
+            raise _queue_full(self.waiting)
+        if ticket.gone:
+            self.refused(ticket.tenant, "client_gone")
+            raise ClientDisconnected("client closed the connection while its request "
+                                     "waited for capacity; nothing was sent upstream")
+        if not event.is_set():
+            self.leave(ticket)
+            self.refused(ticket.tenant, "queue_timeout")
+            raise Overloaded(f"no capacity for this request within {settings.queue_timeout:g}"
+                             " s (admission.queue_timeout); retry shortly")
         stats.waited += 1
 
     def _push_out(self, ticket: Ticket, rank: int, cost: float) -> bool:

@@ -26,6 +26,7 @@ from epd_flask.core.headers import new_upstream_id
 from epd_flask.core.logfmt import quote
 from epd_flask.core.tracing import CallTrace, RequestTrace
 from epd_flask.fleet.policies import Decision
+from epd_flask.serving.clientwatch import Client
 
 logger = logging.getLogger("epd_flask.requests")
 upstream_logger = logging.getLogger("epd_flask.upstream")
@@ -41,6 +42,9 @@ class Admitted(Protocol):
     the request's routing, retries and end."""
 
     def routed(self, role: str, url: str) -> None: ...
+
+    def answering(self) -> None:
+        """Decode's answer began (its first bytes arrived)."""
 
     def retried(self) -> None: ...
 
@@ -116,9 +120,10 @@ class RequestContext:
     bytes_out: int = 0
     status: int | None = None
     error: str | None = None
-    # Asks the server whether the client already hung up (when it can tell: gunicorn's
-    # workers can); without one, a departure is noticed at the first write.
-    client_gone: Callable[[], bool] | None = field(default=None, repr=False)
+    # The client's connection, for the worker's watch while the request waits (when the
+    # server says where it is: gunicorn's workers do); without it, a departure is noticed at
+    # the first write.
+    client: Client | None = field(default=None, repr=False)
     # The session the client named in the roster's ``session_header``, if any.
     session: str | None = None
     # One ``role:policy(why)`` per routing decision (docs/behaviour.md#routing-policies).
@@ -180,6 +185,12 @@ class RequestContext:
             self.trace.decided(role, decision.policy, decision.outcome, decision.instance.url)
         if self.admitted is not None:
             self.admitted.routed(role, decision.instance.url)
+
+    def answer_began(self) -> None:
+        """Decode's first bytes arrived: the prompt is computed (admission stops counting it
+        as ahead of other requests, docs/behaviour.md#admission)."""
+        if self.admitted is not None:
+            self.admitted.answering()
 
     def retry(self, err: ProxyError) -> None:
         self.retries += 1

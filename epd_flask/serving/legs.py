@@ -9,20 +9,21 @@ which discards the connection: the instance sees the client go away.
 
 ``unless_client_leaves`` runs everything before the answer's status line that way, so a client
 that hangs up while any upstream leg is waited on (encoders, prefill, decode before its first
-byte, a whole non-stream answer) ends them all within ``CLIENT_CHECK_INTERVAL``. After the
-status line the WSGI server notices the departure at its next write and closes the relay.
+byte, a whole non-stream answer) ends them all within ``CLIENT_CHECK_INTERVAL`` (the worker's
+``ClientWatch`` notices). After the status line the WSGI server notices the departure at its
+next write and closes the relay.
 """
 
 from __future__ import annotations
 
 import logging
-import socket
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
 import gevent
 
 from epd_flask.core.errors import ClientDisconnected, ProxyError
+from epd_flask.serving.clientwatch import Client
 
 logger = logging.getLogger(__name__)
 
@@ -30,11 +31,6 @@ T = TypeVar("T")
 
 #: Longest a kill may take; a killed greenlet only runs its cleanup (closing a socket).
 KILL_TIMEOUT = 1.0
-#: How often a request waiting on upstream legs asks whether its client is still there.
-CLIENT_CHECK_INTERVAL = 0.1
-#: Where gunicorn's workers put the client connection in the WSGI environ (``-k gevent``, and
-#: the pywsgi-based worker).
-SOCKET_KEYS = ("gunicorn.socket", "gunicorn.sock")
 
 
 class Call(Generic[T]):
@@ -67,6 +63,12 @@ class Call(Generic[T]):
         self._greenlet.join(timeout)
         return self.done
 
+    def kill_soon(self) -> None:
+        """End the leg without waiting for it (from another greenlet than the one that
+        joins it)."""
+        if not self.done:
+            self._greenlet.kill(block=False)
+
     def stop(self, grace: float = 0.0) -> None:
         """End the leg: let it finish for up to ``grace`` seconds, then kill it and wait."""
         if grace > 0 and not self.done:
@@ -80,44 +82,31 @@ def wait_any(calls: Sequence[Call[Any]], timeout: float | None = None) -> None:
     gevent.wait([c._greenlet for c in calls], timeout=timeout, count=1)
 
 
-def unless_client_leaves(client_gone: Callable[[], bool] | None, fn: Callable[..., T],
-                         *args: Any) -> T:
-    """``fn(*args)``, run as a leg of its own while the request watches its client.
+def unless_client_leaves(client: Client | None, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``, run as a leg of its own while the worker's watch looks at its client.
 
     Its value, or the error it failed with; if the client hangs up first, the leg is killed
     (every upstream connection it holds closes, so the instances see the abort) and
     ``ClientDisconnected`` is raised. Without a way to watch the client, ``fn`` simply runs.
     """
-    if client_gone is None:
+    if client is None:
         return fn(*args)
     call: Call[T] = Call("request", fn, *args)
+    left = False
+
+    def gone() -> None:
+        nonlocal left
+        if not call.done:
+            left = True
+            call.kill_soon()
     try:
-        while not call.join(CLIENT_CHECK_INTERVAL):
-            if client_gone():
-                raise ClientDisconnected("client closed the connection before its answer "
-                                         "started; every upstream leg was closed")
+        with client.watched(gone):
+            call.join()
+        if left:
+            raise ClientDisconnected("client closed the connection before its answer "
+                                     "started; every upstream leg was closed")
     finally:
         call.stop()
     if call.error is not None:
         raise call.error
     return call.value  # type: ignore[return-value]
-
-
-def client_watch(environ: dict[str, Any]) -> Callable[[], bool] | None:
-    """Whether the client of this WSGI request hung up, when its server says where the
-    connection is (gunicorn's workers do); None otherwise."""
-    sock = next((environ[key] for key in SOCKET_KEYS if key in environ), None)
-    if sock is None:
-        return None
-    return lambda: peer_closed(sock)
-
-
-def peer_closed(sock: Any) -> bool:
-    """True if the client at ``sock`` hung up; never consumes bytes it sent."""
-    raw = getattr(sock, "_sock", sock)
-    try:
-        return raw.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-    except (BlockingIOError, InterruptedError):
-        return False
-    except (OSError, ValueError):
-        return True

@@ -147,7 +147,7 @@ class Pipeline:
         ``plan``: the request's, when admission already worked it out."""
         if plan is None:
             plan = self.plan(body, ctx)
-        return legs.unless_client_leaves(ctx.client_gone, self._attempts, path, body, ctx,
+        return legs.unless_client_leaves(ctx.client, self._attempts, path, body, ctx,
                                          plan)
 
     def _attempts(self, path: str, body: dict[str, Any], ctx: RequestContext,
@@ -185,7 +185,7 @@ class Pipeline:
                     model: str | None = None) -> Reply:
         """Any other route goes to a decode-side instance unchanged (docs/behaviour.md#edge),
         one serving the body's ``model`` when a live one does (docs/behaviour.md#models)."""
-        return legs.unless_client_leaves(ctx.client_gone, self._passthrough, method, path,
+        return legs.unless_client_leaves(ctx.client, self._passthrough, method, path,
                                          query, body, content_type, ctx, model)
 
     def _passthrough(self, method: str, path: str, query: str, body: bytes | None,
@@ -421,6 +421,7 @@ class Pipeline:
                 chunks = self.transport.iter_raw(resp, "decode")
                 first = next(chunks, b"")
                 ctx.mark("decode_first_byte", started)
+                ctx.answer_began()
                 if stream:
                     call.first_byte()  # a whole answer's first byte is its end: the span's
                 else:

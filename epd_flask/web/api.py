@@ -22,7 +22,6 @@ from epd_flask.core.headers import (
 from epd_flask.serving.admission import admission_error
 from epd_flask.serving.context import RequestContext
 from epd_flask.serving.fields import CHAT_PATH
-from epd_flask.serving.legs import client_watch
 from epd_flask.serving.pipeline import Reply
 from epd_flask.web import admin, edge, validation
 from epd_flask.web.ops import operator_route
@@ -52,7 +51,7 @@ def _context(req: Request, svc: Services) -> RequestContext:
         headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
     ctx = RequestContext(rid, req.path, headers, upstream_id=uid, trace=trace,
                          events=svc.events, log=svc.log)
-    ctx.client_gone = client_watch(req.environ)
+    ctx.client = svc.clients.client(req.environ)
     session_header = svc.live.settings.session_header
     if session_header:
         ctx.session = req.headers.get(session_header) or None

@@ -32,7 +32,7 @@ from epd_flask.core.errors import Overloaded, ProxyError
 from epd_flask.core.events import Events
 from epd_flask.core.headers import REQUEST_ID_HEADER, request_id
 from epd_flask.core.logfmt import quote
-from epd_flask.serving.legs import SOCKET_KEYS
+from epd_flask.serving.clientwatch import SOCKET_KEYS
 
 logger = logging.getLogger(__name__)
 

@@ -26,6 +26,7 @@ from epd_flask.fleet.sources import Source
 from epd_flask.observe.metrics import Metrics
 from epd_flask.observe.tracing import Tracing
 from epd_flask.serving.admission import AdmissionGate
+from epd_flask.serving.clientwatch import ClientWatch
 from epd_flask.serving.context import LogSettings
 from epd_flask.serving.pipeline import Pipeline
 from epd_flask.upstream.transport import Transport
@@ -61,6 +62,8 @@ class Services:
     #: None while tracing is off (docs/behaviour.md#tracing).
     tracing: Tracing | None = None
     admission: AdmissionGate | None = None
+    #: Looks at the clients of waiting requests (one sweep for the worker).
+    clients: ClientWatch = field(default_factory=ClientWatch)
 
     @property
     def registry(self) -> Registry:

@@ -10,6 +10,7 @@ from collections import Counter
 from typing import Any
 
 import gevent
+import pytest
 import requests
 
 from epd_flask.control.roles import DECODE, PREFILL
@@ -301,3 +302,43 @@ def test_without_a_better_class_the_reserve_is_anyones(sim, proxy) -> None:
     held = hold_the_place(px)
     assert post(px, "a", "normal takes the last place").status_code == 200
     held.hang_up()
+
+
+def where_each_went(servers: list[Any]) -> dict[str, int]:
+    """Which of ``servers`` (by index) received each user message."""
+    return {content: n for n, server in enumerate(servers) for content in arrivals(server)}
+
+
+def unanswered(px: Any, server: Any) -> int:
+    counts = px.services.admission.capacity.board.counts(server.url)
+    return sum(counts[field] for field in loadboard.UNANSWERED)
+
+
+@pytest.mark.parametrize("forward_priority", [True, False])
+def test_a_better_class_goes_where_none_of_its_prompts_is_unanswered(
+        sim, proxy, forward_priority: bool) -> None:
+    """With the engines computing ``high`` first, a ``high`` request waits there only for
+    the ``high`` prompts not yet answered: the second goes to the engine without one even
+    where round-robin (its turn moved on by a ``low`` request) would send it to the first's.
+    Without ``forward_priority`` the engines are first come, first served: round-robin
+    decides as always."""
+    servers = [sim("prefill_decode", ttft=1.0, output_tokens=2) for _ in range(2)]
+    doc = roster(combined=servers, routing={"decode": "round_robin"},
+                 admission={**ADMISSION, "forward_priority": forward_priority})
+    doc["tenants"] = TENANTS
+    px = proxy(doc)
+    sent = [gevent.spawn(post, px, "chat", "chat first")]
+    eventually(lambda: "chat first" in where_each_went(servers), what="the first chat sent")
+    sent.append(gevent.spawn(post, px, "batch", "batch between"))
+    eventually(lambda: "batch between" in where_each_went(servers), what="the batch sent")
+    sent.append(gevent.spawn(post, px, "chat", "chat second"))
+    eventually(lambda: "chat second" in where_each_went(servers), what="the second chat sent")
+    went = where_each_went(servers)
+    assert went["batch between"] != went["chat first"], "round-robin alternates"
+    if forward_priority:
+        assert went["chat second"] == went["batch between"], "kept apart from the first chat"
+        assert unanswered(px, servers[went["chat first"]]) > 0
+    else:
+        assert went["chat second"] == went["chat first"], "round-robin's turn"
+    assert [g.get(timeout=30).status_code for g in sent] == [200, 200, 200]
+    assert [unanswered(px, s) for s in servers] == [0, 0], "an answered prompt is not ahead"

@@ -24,7 +24,7 @@ import gevent.socket
 import pytest
 from gunicorn.workers.ggevent import GeventWorker as StockGeventWorker
 
-from epd_flask.serving.legs import peer_closed
+from epd_flask.serving.clientwatch import peer_closed
 from epd_flask.upstream.pools import Lifecycle, RetiringHTTPConnectionPool
 from epd_flask.web.worker import GeventWorker, LeanSendSocket
 
@@ -73,7 +73,7 @@ def test_a_loop_timer_takes_a_priority_and_starts_from_now() -> None:
 
 
 def test_the_departure_check_peeks_without_waiting_or_consuming(pair) -> None:
-    """``legs.peer_closed`` peeks at the raw socket (``_sock``): through gevent's ``recv`` a
+    """``clientwatch.peer_closed`` peeks at the raw socket (``_sock``): through gevent's ``recv`` a
     peek at an idle client would wait for its next byte."""
     a, b = pair
     with gevent.Timeout(2):

@@ -50,11 +50,13 @@ def test_open_calls_and_their_tokens_are_counted_apart_from_running_requests(tmp
         two.add(A, 1)  # admission's running request: a count of its own
         two.add(A, 1, loadboard.CALLS)
         two.add(A, 50, loadboard.TOKENS)
-        assert one.counts(A) == two.counts(A) == (1, 2, 750)
+        one.add(A, 1500, loadboard.UNANSWERED[0])  # a high request's prompt, not answered
+        assert one.counts(A) == two.counts(A) == (1, 2, 750, 1500, 0)
         assert two.count(A) == 1 and two.count(A, loadboard.CALLS) == 2
         one.add(A, -1, loadboard.CALLS)
         one.add(A, -700, loadboard.TOKENS)
-        assert two.counts(A) == (1, 1, 50) and one.own(A, loadboard.TOKENS) == 0
+        one.add(A, -1500, loadboard.UNANSWERED[0])
+        assert two.counts(A) == (1, 1, 50, 0, 0) and one.own(A, loadboard.TOKENS) == 0
     finally:
         one.stop()
         two.stop()
