@@ -110,6 +110,8 @@ EPD_SETTINGS = {"probe_interval": 1.0, "engine_metrics_interval": 1.0, **IDLE_DE
 
 
 WITHOUT_IDLE_DECODE = "epd kv_aware, no idle-decode prefill"
+#: The 2 hosts without the Redis they share their open calls through (``load_store``).
+WITHOUT_LOAD_STORE = "epd kv_aware, 2 hosts x 2 workers, no load store"
 
 
 def variants(include_router: bool, kv_events: bool) -> list[fleet.Variant]:
@@ -132,7 +134,11 @@ def variants(include_router: bool, kv_events: bool) -> list[fleet.Variant]:
         out += [epd("epd kv_aware", {"prefill": "kv_aware", **split}, kv_events=True),
                 epd(WITHOUT_IDLE_DECODE, {"prefill": "kv_aware", **split},
                     {k: 0 for k in IDLE_DECODE}, kv_events=True),
+                epd("epd kv_aware, 1 host x 4 workers", {"prefill": "kv_aware", **split},
+                    workers=4, kv_events=True),
                 epd("epd kv_aware, 2 hosts x 2 workers", {"prefill": "kv_aware", **split},
+                    workers=2, processes=2, kv_events=True, load_store=True),
+                epd(WITHOUT_LOAD_STORE, {"prefill": "kv_aware", **split},
                     workers=2, processes=2, kv_events=True)]
     out.append(epd("oracle", {"prefill": "oracle", "decode": "oracle"}))
     if include_router:
@@ -191,27 +197,28 @@ def run(args: Any, workdir: Path, sims: dict[str, list[str]], events: dict[str, 
     started = datetime.datetime.now(datetime.timezone.utc)
     info = machine()
     out = []
-    for variant in chosen:
-        runners = Fleet(workdir)
-        try:
-            roster = workdir / f"roster-trace-{len(out)}.yaml"
-            roster.write_text(fleet.roster_text(sims["prefill"], sims["decode"], [], variant,
-                                                events))
-            if variant.kind == "epd":
-                urls = fleet.start_epd(runners, variant, roster)
-            else:
-                urls, _ = fleet.start_router(runners, args.router, variant, sims["prefill"],
-                                             sims["decode"], [], events)
-            time.sleep(0.5)  # first probes
-            for url in sims["prefill"] + sims["decode"]:
-                fleet.post(url, "/sim/reset")
-            result = fleet.replay(urls, trace, TIMEOUT,
-                                  {"mooncake": {"model": MODEL, "max_tokens": MAX_TOKENS}})
-            row = summarize(variant, result, [fleet.stats(u) for u in
-                                              sims["prefill"] + sims["decode"]],
-                            work["oracle"])
-        finally:
-            runners.stop()
+    for listed in chosen:
+        with fleet.running(workdir, listed) as variant:
+            runners = Fleet(workdir)
+            try:
+                roster = workdir / f"roster-trace-{len(out)}.yaml"
+                roster.write_text(fleet.roster_text(sims["prefill"], sims["decode"], [], variant,
+                                                    events))
+                if variant.kind == "epd":
+                    urls = fleet.start_epd(runners, variant, roster)
+                else:
+                    urls, _ = fleet.start_router(runners, args.router, variant, sims["prefill"],
+                                                 sims["decode"], [], events)
+                time.sleep(0.5)  # first probes
+                for url in sims["prefill"] + sims["decode"]:
+                    fleet.post(url, "/sim/reset")
+                result = fleet.replay(urls, trace, TIMEOUT,
+                                      {"mooncake": {"model": MODEL, "max_tokens": MAX_TOKENS}})
+                row = summarize(variant, result, [fleet.stats(u) for u in
+                                                  sims["prefill"] + sims["decode"]],
+                                work["oracle"])
+            finally:
+                runners.stop()
         out.append(row)
         print(f"trace {row['target']}: {row['requests']} sent, {row['errors']} errors, "
               f"{row['shed']} shed, TTFT p50 {row['ttft_p50_ms']} p90 {row['ttft_p90_ms']} "
