@@ -102,8 +102,9 @@ bench: $(STAMP) $(BENCH_VENV)/.installed
 ## epd-flask's policies vs vllm-router's, light and at 80 % of prefill capacity, and a production
 ## trace (TRACE, TRACE_SPEED, TRACE_LIMIT; BENCH_JSON=path writes its rows); writes
 ## docs/benchmarks.md (~18 minutes; BENCH_ARGS=--short: ~4, writes none). One target while
-## iterating, e.g. kv_aware on 2 hosts x 2 workers beside the oracle on the trace (~2 minutes,
-## writes none): BENCH_ARGS='--scenario trace --only "2 hosts x 2 workers,oracle"'
+## iterating, e.g. kv_aware on 2 hosts x 2 workers (with and without their load store) beside
+## the oracle on the trace (~3 minutes, writes none):
+## BENCH_ARGS='--scenario trace --only "2 hosts x 2 workers,oracle"'
 bench-fleet: $(STAMP) $(BENCH_VENV)/.installed
 	$(BIN)/python tests/bench/fleet.py --router $(BENCH_VENV)/bin/vllm-router \
 	    $(if $(TRACE),--trace $(TRACE)) $(if $(TRACE_SPEED),--trace-speed $(TRACE_SPEED)) \

@@ -27,6 +27,7 @@ from epd_flask.fleet.kvaware import Tokenizer
 from epd_flask.fleet.kvevents import KVEvents
 from epd_flask.fleet.live import LiveFleet
 from epd_flask.fleet.loadboard import LoadBoard
+from epd_flask.fleet.loadshare import LoadShare, host_name
 from epd_flask.fleet.prober import Prober
 from epd_flask.fleet.registry import Registry
 from epd_flask.fleet.rostersync import RosterSync
@@ -67,9 +68,14 @@ def build_services(config: ProxyConfig, roster: Roster, generation: int = 0, *,
     # The host's open calls and running requests per instance, shared by its workers
     # (routing's load, admission's bounds).
     board = LoadBoard(config.state_dir)
+    # The other proxy hosts' open calls, with a load store (docs/behaviour.md#routing-policies).
+    share = LoadShare(board, host_name(config.state_dir), events)
     live = LiveFleet(roster, generation,
                      Registry(roster.instances, settings.fail_threshold, settings.evicted_ttl,
-                              events=events, board=board))
+                              events=events, board=board, share=share))
+    share.follow(lambda: [s.instance.url for s in live.registry.states()])
+    live.subscribe(lambda old, new: share.configure(new.settings.load_store))
+    share.configure(settings.load_store)
     transport = Transport(
         settings.connect_timeout, config.pool_maxsize,
         idle_timeout=config.upstream_idle_timeout, keepalive=config.upstream_keepalive,

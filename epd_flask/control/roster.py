@@ -49,7 +49,8 @@ MAX_TENANTS = 256
 TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")
 #: The tenant of a request nothing else names (docs/behaviour.md#admission).
 DEFAULT_TENANT = "default"
-#: The schemes of ``admission.store``: Redis over TCP, over TLS, or a UNIX socket.
+#: The schemes of ``admission.store`` and ``load_store``: Redis over TCP, over TLS, or a UNIX
+#: socket.
 STORE_SCHEMES = ("redis", "rediss", "unix")
 
 Role = Literal[ROLES]
@@ -231,8 +232,8 @@ def _known_policies(cls: Any, value: Any) -> Any:
 
 
 def _store_url(cls: Any, value: Any) -> Any:
-    """``admission.store`` names a Redis server: checked here, in the master, so a typo stops
-    a reload instead of leaving every host on its own counters."""
+    """``admission.store`` and ``load_store`` name a Redis server: checked here, in the
+    master, so a typo stops a reload instead of leaving every host on its own counters."""
     if not isinstance(value, str) or not value:
         return value
     _printable(value)
@@ -274,7 +275,8 @@ Settings = create_model(
     __doc__="Fleet-wide behaviour; every value has a default an operator can start from.",
     __validators__={
         "_known_connector": field_validator("connector", mode="before")(_known_connector),
-        "_known_policies": field_validator("routing", mode="before")(_known_policies)},
+        "_known_policies": field_validator("routing", mode="before")(_known_policies),
+        "_store_url": field_validator("load_store")(_store_url)},
     **{s.name: _field(s) for s in declared.ROSTER.values()},
 )
 #: The ``admission:`` block of ``settings:`` (docs/behaviour.md#admission).

@@ -371,6 +371,11 @@ _ROSTER_SETTINGS = (
     RosterSetting("routing_load_factor", float, 1.25,
                   "prefix and session affinity spill past this multiple of the average load",
                   "factor", ge=1.0, le=100.0),
+    # Off the request path: each worker publishes and reads in the background, and routing
+    # reads its last snapshot (docs/behaviour.md#routing-policies 2).
+    RosterSetting("load_store", str, "",
+                  "redis:// URL where proxy hosts share their open calls per instance, so "
+                  "routing counts every host's in prompt tokens", shown="none (per host)"),
     RosterSetting("kv_tokenize_timeout", float, 0.5,
                   "kv_aware's /tokenize call; past it the request routes by prefix", "seconds",
                   gt=0, le=10),

@@ -289,16 +289,16 @@ def kv_choice(order: Sequence[Placement], matched: Mapping[str, int], blocks: in
     ``bounded_rendezvous``, so a hot prefix still spills over. ``order`` is the candidates
     in the request's rendezvous order: ties go to the prefix choice, then to the first in
     that order, so every worker breaks them alike; no block held anywhere: the prefix
-    choice."""
-    bound = load_bound([load(c.instance) for c in order], factor)
-    eligible = [c for c in order if load(c.instance) < bound] or list(order)
+    choice. Each load is read once: another worker's calls may change it between two reads."""
+    loads = {c.key: load(c.instance) for c in order}
+    bound = load_bound(list(loads.values()), factor)
+    eligible = [c for c in order if loads[c.key] < bound] or list(order)
     best = max(matched.get(c.url, 0) for c in eligible)
     if best == 0:
         return Decision(fallback.target, policy, KVMISS, f"blocks=0/{blocks},{fallback.why}")
     tied = [c for c in eligible if matched.get(c.url, 0) == best]
     chosen = next((c for c in tied if c == fallback.target), tied[0])
-    return Decision(chosen, policy, KVHIT,
-                    f"blocks={best}/{blocks},load={load(chosen.instance)}")
+    return Decision(chosen, policy, KVHIT, f"blocks={best}/{blocks},load={loads[chosen.key]}")
 
 
 def kv_cost_choice(order: Sequence[Placement], matched: Mapping[str, int],
@@ -311,17 +311,17 @@ def kv_cost_choice(order: Sequence[Placement], matched: Mapping[str, int],
     the prompt's ``blocks`` it holds from the first, of ``sizes`` tokens each). A cached prefix
     is worth the tokens it saves and no more: a long queue outweighs a few held blocks, which
     a count of calls under a bound cannot see. Ties go to the prefix choice, then to the first
-    in ``order`` (the request's rendezvous order), so every worker breaks them alike."""
-
-    def cost(c: Placement) -> int:
-        return load(c.instance) + tokens - matched.get(c.url, 0) * sizes.get(c.url, 0)
-
-    best = min(cost(c) for c in order)
-    tied = [c for c in order if cost(c) == best]
+    in ``order`` (the request's rendezvous order), so every worker breaks them alike. Each
+    load is read once: a sibling worker's calls may change it between two reads."""
+    loads = {c.key: load(c.instance) for c in order}
+    costs = {c.key: loads[c.key] + tokens - matched.get(c.url, 0) * sizes.get(c.url, 0)
+             for c in order}
+    best = min(costs.values())
+    tied = [c for c in order if costs[c.key] == best]
     chosen = next((c for c in tied if c == fallback.target), tied[0])
     held = matched.get(chosen.url, 0)
     return Decision(chosen, policy, KVHIT if held else KVMISS,
-                    f"blocks={held}/{blocks},load={load(chosen.instance)}")
+                    f"blocks={held}/{blocks},load={loads[chosen.key]}")
 
 
 def new_cursor(seed: int | None) -> Iterator[int]:

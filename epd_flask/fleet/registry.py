@@ -20,6 +20,7 @@ from epd_flask.core.events import Events, FleetEntry
 from epd_flask.core.logfmt import change, quote
 from epd_flask.fleet.enginemetrics import EngineLoad
 from epd_flask.fleet.loadboard import CALLS, TOKENS, LoadBoard
+from epd_flask.fleet.loadshare import LoadShare
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ class InstanceState:
     #: (docs/behaviour.md#routing-policies).
     tokens_in_flight: int = 0
     #: The engine's last readable queue (``GET /metrics``), when it was read (monotonic) and
-    #: this host's calls open then (``Registry.host``); a failed read leaves them
+    #: the proxies' calls open then (``Registry.proxies``); a failed read leaves them
     #: (docs/behaviour.md#routing-policies).
     engine: EngineLoad | None = None
     engine_read_at: float | None = None
@@ -68,9 +69,10 @@ class InstanceState:
 
     def queue(self, now: float, max_age: float, calls: int) -> int:
         """The requests this instance's engine holds, as best this worker knows, given
-        ``calls``, this host's calls open on it now: its last read if not older than
-        ``max_age``, corrected by the host's calls opened or closed since (what every host
-        saw then, plus what this one did since); else the host's open calls."""
+        ``calls``, the proxies' calls open on it now (``Registry.proxies``): its last read if
+        not older than ``max_age``, corrected by their calls opened or closed since (what
+        every host sent it then, plus what the proxies heard of did since); else their open
+        calls."""
         if self.engine is None or self.engine_read_at is None \
                 or now - self.engine_read_at > max_age:
             return calls
@@ -105,11 +107,14 @@ class Registry:
         fail_threshold: int = settings.default("fail_threshold"),
         evicted_ttl: float = settings.default("evicted_ttl"),
         events: Events | None = None, board: LoadBoard | None = None,
+        share: LoadShare | None = None,
     ) -> None:
         self.events = events if events is not None else Events()
         #: Where this worker publishes its open calls and reads its siblings' (their sum is
         #: ``host``); without one (no state directory) the host is this worker.
         self.board = board if board is not None else LoadBoard(None)
+        #: The other proxy hosts' open calls, when a load store is shared (``proxies``).
+        self.share = share
         self.fail_threshold = fail_threshold
         self.evicted_ttl = evicted_ttl
         self._states: dict[str, InstanceState] = {}
@@ -162,9 +167,19 @@ class Registry:
         counts = self.board.counts(url)
         return counts[CALLS], counts[TOKENS]
 
+    def proxies(self, url: str) -> tuple[int, int]:
+        """The upstream calls open on ``url`` from every proxy host this worker hears of, and
+        their estimated prompt tokens: this host's (``host``) and, with a load store, the
+        other hosts' as they last published them (docs/behaviour.md#routing-policies 2)."""
+        calls, tokens = self.host(url)
+        if self.share is None:
+            return calls, tokens
+        theirs = self.share.counts(url)
+        return calls + theirs[0], tokens + theirs[1]
+
     def record_engine(self, url: str, load: EngineLoad, now: float | None = None) -> None:
-        """A read of ``url``'s engine queue; what this host had open on it then is kept,
-        so the calls its workers open or close later can be added to it."""
+        """A read of ``url``'s engine queue; what the proxies had open on it then
+        (``proxies``) is kept, so the calls they open or close later can be added to it."""
         state = self._states.get(url)
         if state is None:
             return
@@ -173,7 +188,7 @@ class Registry:
             state.engine_error = None
         state.engine = load
         state.engine_read_at = time.monotonic() if now is None else now
-        state.engine_calls_at_read = self.host(url)[0]
+        state.engine_calls_at_read = self.proxies(url)[0]
 
     def record_engine_failure(self, url: str, error: str) -> None:
         """A failed read: the last values stay (they age out of routing), logged once until a

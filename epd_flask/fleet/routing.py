@@ -134,15 +134,17 @@ class Router:
 
     def load(self, role: str) -> Load:
         """The requests each instance's engine holds: its last read queue (what every host
-        and worker sent it) corrected by this host's calls since, or while no fresh read
-        exists this host's open calls (``InstanceState.queue``); the host's calls are every
-        worker's, read from the load board, so its workers see each other's at once. On a
-        prefill, weighed in prompt tokens: the host's calls by their estimated prompt tokens
-        plus one each, the others by the mean estimate of this worker's calls: a prefill's
-        wait is the tokens queued before it, and one long prompt outweighs many short ones,
-        which a count of calls cannot see (docs/behaviour.md#routing-policies). The affinity
-        policies bound requests: an affinity hit's prompt is mostly cached, which the
-        estimate cannot see."""
+        and worker sent it) corrected by the proxies' calls since, or while no fresh read
+        exists their open calls (``InstanceState.queue``). The proxies' calls are this host's,
+        every worker's from the load board, so its workers see each other's at once, and
+        with a load store the other hosts' as they last published them
+        (``Registry.proxies``). On a prefill, weighed in prompt tokens: the proxies' calls by
+        their estimated prompt tokens plus one each, the rest of the engine's queue (what no
+        proxy published) by the mean estimate of this worker's calls: a prefill's wait is the
+        tokens queued before it, and one long prompt outweighs many short ones, which a count
+        of calls cannot see (docs/behaviour.md#routing-policies). The affinity policies bound
+        requests: an affinity hit's prompt is mostly cached, which the estimate cannot
+        see."""
         registry = self.live.registry
         settings = self.live.settings
         now = time.monotonic()
@@ -150,7 +152,7 @@ class Router:
 
         def calls(inst: Instance) -> int:
             state = registry.get(inst.url)
-            return state.queue(now, max_age, registry.host(inst.url)[0]) \
+            return state.queue(now, max_age, registry.proxies(inst.url)[0]) \
                 if state is not None else 0
 
         if role not in TOKEN_ROLES:
@@ -160,9 +162,9 @@ class Router:
             state = registry.get(inst.url)
             if state is None:
                 return 0
-            host, host_tokens = registry.host(inst.url)
-            others = state.queue(now, max_age, host) - host
-            return host + host_tokens + round(others * (1 + registry.mean_tokens))
+            known, known_tokens = registry.proxies(inst.url)
+            others = state.queue(now, max_age, known) - known
+            return known + known_tokens + round(others * (1 + registry.mean_tokens))
 
         return Load(tokens, calls, tokens=True)
 

@@ -41,10 +41,11 @@ Waiting = Callable[[InstanceState], int | None]
 
 def engine_waiting(live: LiveFleet) -> Waiting:
     """The engine's waiting queue as the prober last read it (``vllm:num_requests_waiting``),
-    while that read is fresh (as routing's load takes it), corrected by this host's calls
-    opened or closed since when the engine was queueing then: a call sent to a queueing
-    engine waits, one that ends lets a waiting request run. An engine that queued nothing at
-    its last read counts as not queueing until the next one: most calls sent meanwhile run."""
+    while that read is fresh (as routing's load takes it), corrected by the proxies' calls
+    opened or closed since (``Registry.proxies``) when the engine was queueing then: a call
+    sent to a queueing engine waits, one that ends lets a waiting request run. An engine that
+    queued nothing at its last read counts as not queueing until the next one: most calls
+    sent meanwhile run."""
     def waiting(state: InstanceState) -> int | None:
         engine, read_at = state.engine, state.engine_read_at
         if engine is None or read_at is None:
@@ -55,7 +56,7 @@ def engine_waiting(live: LiveFleet) -> Waiting:
             return None
         if engine.waiting <= 0:
             return 0
-        calls = live.registry.host(state.instance.url)[0]
+        calls = live.registry.proxies(state.instance.url)[0]
         return max(0, engine.waiting + calls - state.engine_calls_at_read)
     return waiting
 

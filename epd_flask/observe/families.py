@@ -86,6 +86,35 @@ class ReloadsCollector(Collector):
         yield family
 
 
+class UpGauge:
+    """A gauge without labels, 1 while a shared store answers and 0 while it does not, that
+    exists only while a store is configured: a multiprocess gauge without labels writes its
+    0 the moment it is made, which would say that a store nobody configured is down."""
+
+    def __init__(self, name: str, documentation: str,
+                 registry: CollectorRegistry | None) -> None:
+        self.name = name
+        self.documentation = documentation
+        self._registry = registry
+        self.gauge: Gauge | None = None
+
+    def set(self, up: bool | None) -> None:
+        """``up``: whether the store answered its latest call; None: none is configured any
+        more, and the series goes from a registry of the app's own (multiprocess files cannot
+        lose one: it stays at 1, nothing is down)."""
+        if up is not None:
+            if self.gauge is None:
+                self.gauge = Gauge(self.name, self.documentation, multiprocess_mode="livemin",
+                                   registry=self._registry)
+            self.gauge.set(1 if up else 0)
+        elif self.gauge is not None:
+            if self._registry is not None:
+                self._registry.unregister(self.gauge)
+                self.gauge = None
+            else:
+                self.gauge.set(1)
+
+
 class AdmissionFamilies:
     """Admission's metrics (docs/behaviour.md#admission), made when admission is first on: a
     proxy without it exposes none of them. Tenant labels are the roster's (at most 256 and
@@ -113,30 +142,15 @@ class AdmissionFamilies:
             "epd_admission_tokens_total", "Tokens of the requests admission let through (the "
             "answer's usage, prompt plus completion; a stream without one: its estimate), by "
             "tenant.", ["tenant"], registry=r)
-        self._registry = r
-        self.store_up: Gauge | None = None
-
-    def store(self) -> Gauge:
-        """``epd_admission_store_up``, made when a shared store is first configured: a
-        multiprocess gauge without labels writes its 0 the moment it is made, which would
-        say that a store nobody configured is down."""
-        if self.store_up is None:
-            self.store_up = Gauge(
-                "epd_admission_store_up", "1 while the shared rate-limit store "
-                "(admission.store) answered its latest call, 0 while each host counts on its "
-                "own (the lowest of the live workers).", multiprocess_mode="livemin",
-                registry=self._registry)
-        return self.store_up
-
-    def forget_store(self) -> None:
-        """The roster no longer names a store: its series goes from a registry of the app's
-        own (multiprocess files cannot lose one; the observer leaves it at 1)."""
-        if self.store_up is not None and self._registry is not None:
-            self._registry.unregister(self.store_up)
-            self.store_up = None
+        self.store_up = UpGauge(
+            "epd_admission_store_up", "1 while the shared rate-limit store (admission.store) "
+            "answered its latest call, 0 while each host counts on its own (the lowest of the "
+            "live workers).", r)
 
     def collectors(self) -> list[Collector]:
-        return [v for v in vars(self).values() if isinstance(v, Counter | Gauge | Histogram)]
+        found: list[Collector] = [v for v in vars(self).values()
+                                  if isinstance(v, Counter | Gauge | Histogram)]
+        return found + ([self.store_up.gauge] if self.store_up.gauge is not None else [])
 
 
 class Families:
@@ -271,6 +285,11 @@ class Families:
         self.ended_by_shutdown = Counter(
             "epd_requests_ended_by_shutdown_total", "Requests a stopping worker ended (with an "
             "in-band error, or a 503) because they outlived its grace period.", registry=r)
+        self.load_store_up = UpGauge(
+            "epd_load_store_up", "1 while the store where proxy hosts share their open calls "
+            "(load_store) answered this worker's latest exchange, 0 while routing counts the "
+            "other hosts through the engines' queues alone (the lowest of the live workers).",
+            r)
         self.reloads = ReloadsCollector(state)
         if r is not None:
             r.register(self.reloads)
@@ -300,4 +319,6 @@ class Families:
         """Every metric above, in declaration order (admission's once it is on)."""
         found: list[Collector] = [v for v in vars(self).values()
                                   if isinstance(v, Counter | Gauge | Histogram | ReloadsCollector)]
+        if self.load_store_up.gauge is not None:
+            found.append(self.load_store_up.gauge)
         return found + (self.admission.collectors() if self.admission is not None else [])

@@ -330,10 +330,9 @@ class MetricsObserver:
 
     def admission_store(self, up: bool | None) -> None:
         if up is not None:
-            self.m.admission_on().store().set(1 if up else 0)
-            return
-        a = self.m.admission
-        if a is not None and a.store_up is not None:
-            a.forget_store()
-            if a.store_up is not None:  # multiprocess files keep it: nothing is down
-                a.store_up.set(1)
+            self.m.admission_on().store_up.set(up)
+        elif self.m.admission is not None:
+            self.m.admission.store_up.set(None)
+
+    def load_store(self, up: bool | None) -> None:
+        self.m.load_store_up.set(up)

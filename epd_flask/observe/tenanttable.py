@@ -69,8 +69,8 @@ def build(m: Families, now: Snapshot, then: Snapshot | None,
              if tenant == name and n > 0},
             tokens.get(key, 0.0), t.get("limits", {})))
     store_up = gate.get("store_up")
-    if store_up is not None and a is not None and a.store_up is not None:
-        lowest = [v for _, v in now.series(sample(a.store_up))]  # the lowest of the workers
+    if store_up is not None and a is not None and a.store_up.gauge is not None:
+        lowest = [v for _, v in now.series(sample(a.store_up.gauge))]  # the lowest worker
         if lowest:
             store_up = min(lowest) >= 1
     return Tenants(rows, store_up, None if then is None else now.taken - then.taken)

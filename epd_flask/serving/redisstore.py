@@ -2,13 +2,10 @@
 docs/behaviour.md#admission), and the limiter that falls back to the host's own when Redis
 does not answer.
 
-The client is redis-py: it speaks RESP over the standard library's ``socket``, which gevent
-patches in every worker, so a call waits for Redis without holding the worker's other
-requests (its pool's locks are ``threading``'s, patched too). Every operation is one Lua script
+The client is upstream/redisclient.py's: calls fail fast. Every operation is one Lua script
 (``EVALSHA``), so checking and taking both buckets is atomic across hosts, and its clock is
-Redis's (``TIME``): hosts whose clocks differ still refill alike. Calls fail fast (no retries,
-short timeouts): a request must not wait on a store that is down, and the next attempt comes
-``RETRY_SECONDS`` later.
+Redis's (``TIME``): hosts whose clocks differ still refill alike. A request must not wait on a
+store that is down: after a failure the next attempt comes ``RETRY_SECONDS`` later.
 """
 
 from __future__ import annotations
@@ -18,20 +15,17 @@ import os
 import time
 from collections.abc import Sequence
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 from epd_flask.core.events import Events
 from epd_flask.serving.ratelimit import Store, StoreDown, Take, Verdict, decide, local_store
+from epd_flask.upstream import redisclient
+from epd_flask.upstream.redisclient import redacted
 
 logger = logging.getLogger(__name__)
 
-#: Seconds a call to Redis may take (connecting included) before the store counts as down.
-TIMEOUT = 0.5
 #: After a failure, Redis is asked again this much later; meanwhile the host's own buckets
 #: count.
 RETRY_SECONDS = 5.0
-#: Connections one worker keeps to Redis; more requests at once wait for one.
-MAX_CONNECTIONS = 32
 KEY_PREFIX = "epd-flask:ratelimit:"
 
 #: Refill every bucket named in KEYS, then take each ARGV amount from it if every bucket has
@@ -69,30 +63,12 @@ return out
 """
 
 
-def redacted(url: str) -> str:
-    """``url`` without its password, for logs."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
-
-
 class RedisStore:
     name = "redis"
 
     def __init__(self, url: str) -> None:
-        import redis
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
-
-        self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
-        pool = redis.BlockingConnectionPool.from_url(
-            url, max_connections=MAX_CONNECTIONS, timeout=TIMEOUT, socket_timeout=TIMEOUT,
-            socket_connect_timeout=TIMEOUT, retry=Retry(NoBackoff(), 0),
-            health_check_interval=0)
-        self._client: Any = redis.Redis(connection_pool=pool)
+        self._errors = redisclient.errors()
+        self._client: Any = redisclient.connect(url)
         self._script = self._client.register_script(SCRIPT)
 
     def apply(self, tenant: str, takes: Sequence[Take], give: bool = False) -> Verdict:

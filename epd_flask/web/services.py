@@ -79,6 +79,8 @@ class Services:
 
     def start(self) -> None:
         self.registry.board.start()  # in the worker: its file is named for its pid
+        if self.registry.share is not None:
+            self.registry.share.start()
         self.transport.start()
         self.roster_sync.start()  # inherit health first, so the first probe round builds on it
         self.prober.start()
@@ -107,6 +109,8 @@ class Services:
             self.tracing.stop()
         if self.admission is not None:
             self.admission.stop()
+        if self.registry.share is not None:
+            self.registry.share.stop()
         self.registry.board.stop()
         self.transport.close()
 

@@ -24,6 +24,8 @@ of docs/benchmarks.md (``fleet-light``, ``fleet-loaded``); a partial one writes 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import datetime
 import json
 import os
@@ -33,6 +35,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +47,7 @@ import report
 from run import (
     BIN,
     GUNICORN_CONF,
+    ROOT,
     Fleet,
     configure,
     free_port,
@@ -52,9 +56,11 @@ from run import (
     wait_up,
 )
 
+sys.path.insert(0, str(ROOT))
 from epd_flask.control.roster import Instance
 from epd_flask.sim import validate
 from epd_flask.sim.kvcache import PrefixCache
+from tests.redisserver import RedisServer
 
 REPLAY = Path(__file__).resolve().parent / "replay.py"
 INSTANCES = 4
@@ -86,6 +92,7 @@ class Variant:
     router_args: tuple[str, ...] = ()
     kv_events: bool = False  # needs the sims' KV events
     light_only: bool = False  # not repeated in the loaded scenario
+    load_store: bool = False  # epd-flask's hosts share their load through a redis-server
 
 
 @dataclass(frozen=True)
@@ -457,6 +464,22 @@ def roster_text(prefills: list[str], decodes: list[str], combined: list[str],
         lines += [entry("prefill", u) for u in prefills]
         lines += [entry("decode", u) for u in decodes]
     return "\n".join(lines) + "\n"
+
+
+@contextlib.contextmanager
+def running(workdir: Path, variant: Variant) -> Iterator[Variant]:
+    """``variant`` as it runs: with ``load_store``, a redis-server of its own (the tests',
+    on a free loopback port, nothing saved) started for it and named in its roster's
+    settings."""
+    if not variant.load_store:
+        yield variant
+        return
+    server = RedisServer(workdir).start()
+    try:
+        yield dataclasses.replace(variant, extra={**(variant.extra or {}),
+                                                  "load_store": server.url})
+    finally:
+        server.stop()
 
 
 def start_epd(fleet: Fleet, variant: Variant, roster: Path) -> list[str]:

@@ -110,12 +110,17 @@ EPD_SETTINGS = {"probe_interval": 1.0, "engine_metrics_interval": 1.0, **IDLE_DE
 
 
 WITHOUT_IDLE_DECODE = "epd kv_aware, no idle-decode prefill"
+#: 2 proxy hosts of 2 workers each, sharing their open calls through a Redis
+#: (``load_store``); and the same without it.
+SHARED_HOSTS = "epd kv_aware, 2 hosts x 2 workers"
+WITHOUT_LOAD_STORE = "epd kv_aware, 2 hosts x 2 workers, no load store"
 
 
 def variants(include_router: bool, kv_events: bool) -> list[fleet.Variant]:
-    """The trace's targets: every epd-flask policy on split instances, kv_aware also on 2
-    hosts x 2 workers and without ``IDLE_DECODE``, the oracle, and vllm-router's
-    policies."""
+    """The trace's targets: every epd-flask policy on split instances, kv_aware also
+    without ``IDLE_DECODE``, on 1 host x 4 workers (the workers sharing exact counts
+    through their load board) and on 2 hosts x 2 workers with and without the hosts
+    sharing theirs (``load_store``), the oracle, and vllm-router's policies."""
     split = {"decode": "least_loaded"}
 
     def epd(name: str, routing: dict[str, str], settings: dict[str, Any] | None = None,
@@ -132,7 +137,11 @@ def variants(include_router: bool, kv_events: bool) -> list[fleet.Variant]:
         out += [epd("epd kv_aware", {"prefill": "kv_aware", **split}, kv_events=True),
                 epd(WITHOUT_IDLE_DECODE, {"prefill": "kv_aware", **split},
                     {k: 0 for k in IDLE_DECODE}, kv_events=True),
-                epd("epd kv_aware, 2 hosts x 2 workers", {"prefill": "kv_aware", **split},
+                epd("epd kv_aware, 1 host x 4 workers", {"prefill": "kv_aware", **split},
+                    workers=4, kv_events=True),
+                epd(SHARED_HOSTS, {"prefill": "kv_aware", **split},
+                    workers=2, processes=2, kv_events=True, load_store=True),
+                epd(WITHOUT_LOAD_STORE, {"prefill": "kv_aware", **split},
                     workers=2, processes=2, kv_events=True)]
     out.append(epd("oracle", {"prefill": "oracle", "decode": "oracle"}))
     if include_router:
@@ -191,27 +200,28 @@ def run(args: Any, workdir: Path, sims: dict[str, list[str]], events: dict[str, 
     started = datetime.datetime.now(datetime.timezone.utc)
     info = machine()
     out = []
-    for variant in chosen:
-        runners = Fleet(workdir)
-        try:
-            roster = workdir / f"roster-trace-{len(out)}.yaml"
-            roster.write_text(fleet.roster_text(sims["prefill"], sims["decode"], [], variant,
-                                                events))
-            if variant.kind == "epd":
-                urls = fleet.start_epd(runners, variant, roster)
-            else:
-                urls, _ = fleet.start_router(runners, args.router, variant, sims["prefill"],
-                                             sims["decode"], [], events)
-            time.sleep(0.5)  # first probes
-            for url in sims["prefill"] + sims["decode"]:
-                fleet.post(url, "/sim/reset")
-            result = fleet.replay(urls, trace, TIMEOUT,
-                                  {"mooncake": {"model": MODEL, "max_tokens": MAX_TOKENS}})
-            row = summarize(variant, result, [fleet.stats(u) for u in
-                                              sims["prefill"] + sims["decode"]],
-                            work["oracle"])
-        finally:
-            runners.stop()
+    for listed in chosen:
+        with fleet.running(workdir, listed) as variant:
+            runners = Fleet(workdir)
+            try:
+                roster = workdir / f"roster-trace-{len(out)}.yaml"
+                roster.write_text(fleet.roster_text(sims["prefill"], sims["decode"], [], variant,
+                                                    events))
+                if variant.kind == "epd":
+                    urls = fleet.start_epd(runners, variant, roster)
+                else:
+                    urls, _ = fleet.start_router(runners, args.router, variant, sims["prefill"],
+                                                 sims["decode"], [], events)
+                time.sleep(0.5)  # first probes
+                for url in sims["prefill"] + sims["decode"]:
+                    fleet.post(url, "/sim/reset")
+                result = fleet.replay(urls, trace, TIMEOUT,
+                                      {"mooncake": {"model": MODEL, "max_tokens": MAX_TOKENS}})
+                row = summarize(variant, result, [fleet.stats(u) for u in
+                                                  sims["prefill"] + sims["decode"]],
+                                work["oracle"])
+            finally:
+                runners.stop()
         out.append(row)
         print(f"trace {row['target']}: {row['requests']} sent, {row['errors']} errors, "
               f"{row['shed']} shed, TTFT p50 {row['ttft_p50_ms']} p90 {row['ttft_p90_ms']} "
@@ -285,7 +295,7 @@ def targets(rows: list[dict[str, Any]]) -> list[str]:
     routers = [r for r in rows if r["kind"] == "router" and r["ttft_p50_ms"] is not None
                and not r["errors"] and not r["shed"]]
     out = []
-    for name in ("epd kv_aware", "epd kv_aware, 2 hosts x 2 workers"):
+    for name in ("epd kv_aware", SHARED_HOSTS):
         row = find.get(name)
         if row is None or oracle is None or row["ttft_p50_ms"] is None \
                 or oracle["ttft_p50_ms"] is None:
@@ -313,6 +323,14 @@ def targets(rows: list[dict[str, Any]]) -> list[str]:
                    f"{_ms(with_it['ttft_p90_ms'])}/{_ms(with_it['ttft_p99_ms'])} ms with it, "
                    f"{_ms(without['ttft_p50_ms'])}/{_ms(without['ttft_p90_ms'])}/"
                    f"{_ms(without['ttft_p99_ms'])} ms without.")
+    shared, alone = find.get(SHARED_HOSTS), find.get(WITHOUT_LOAD_STORE)
+    if shared and alone and shared["ttft_p50_ms"] is not None \
+            and alone["ttft_p50_ms"] is not None:
+        out.append(f"- The hosts sharing their open calls through Redis (`load_store`), one "
+                   f"change in this run: `{SHARED_HOSTS}` TTFT p50/p90/p99 "
+                   f"{_ms(shared['ttft_p50_ms'])}/{_ms(shared['ttft_p90_ms'])}/"
+                   f"{_ms(shared['ttft_p99_ms'])} ms with it, {_ms(alone['ttft_p50_ms'])}/"
+                   f"{_ms(alone['ttft_p90_ms'])}/{_ms(alone['ttft_p99_ms'])} ms without.")
     failing = [r["target"] for r in rows if r["kind"] == "epd" and (r["errors"] or r["shed"])]
     out.append("- Errors and shed requests for every epd-flask target: "
                + (f"{_verdict(False)} ({', '.join(failing)})" if failing else "0 (met)") + ".")

@@ -168,11 +168,13 @@ def test_every_documented_metric_moves(sim, proxy, tmp_path: Path, monkeypatch) 
     finally:
         collector.stop()
     # Admission (an app of its own, in front of one place): a tenant's request waits and goes
-    # out, the tenant's rate limit refuses one, and the shared store it names does not answer.
+    # out, the tenant's rate limit refuses one, and the shared stores it names (the rate
+    # limits', the hosts' load) do not answer.
     place = sim("prefill_decode", token_delay=0.05, output_tokens=400)
     doc = rosters.roster(combined=[(place, {"max_concurrency": 1})],
                          admission={"tenant_header": "X-Tenant",
-                                    "store": f"redis://127.0.0.1:{free_port()}/0"})
+                                    "store": f"redis://127.0.0.1:{free_port()}/0"},
+                         load_store=f"redis://127.0.0.1:{free_port()}/0")
     doc["tenants"] = {"t": {"requests_per_minute": 2}}
     admitted = proxy(doc)
     tenant = {"X-Tenant": "t"}
@@ -188,9 +190,10 @@ def test_every_documented_metric_moves(sim, proxy, tmp_path: Path, monkeypatch) 
     assert queued.get(timeout=10).ok
     assert [requests.post(admitted.url + "/v1/chat/completions", json=CHAT, headers=tenant,
                           timeout=10).status_code for _ in range(2)] == [200, 429]
+    admitted.services.live.registry.share.exchange()
     after = scrape(admitted.url)
     seen.update({name for name in moved(before, during) | moved(during, after)
-                 if name.startswith("epd_admission_")})
+                 if name.startswith(("epd_admission_", "epd_load_store_"))})
     exposed += after
 
     known = {family(name) for name, _ in (*last, *exposed)}

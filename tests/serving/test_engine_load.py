@@ -1,7 +1,8 @@
 """Engine load signals through real HTTP (docs/behaviour.md#routing-policies): the prober reads
 each instance's /metrics, so a proxy sees the queue another proxy (another host) built on an
 instance and sends its own requests elsewhere; a worker sees its host's other workers' calls
-at once, without a read; a read that fails keeps the last values and is logged once."""
+at once, without a read, and with a shared load store another host's; a read that fails keeps
+the last values and is logged once."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import requests
 from epd_flask.web.services import services
 from tests.bodies import completion
 from tests.fakes import response
-from tests.helpers import eventually
+from tests.helpers import eventually, sample, scrape
 from tests.rosters import roster
 
 #: ~1,000 tokens: 0.5 s of prefill at 2,000 tokens/s.
@@ -82,6 +83,47 @@ def test_a_sibling_worker_calls_are_seen_at_once_without_a_read(sim, proxy, tmp_
     gevent.joinall(sent, timeout=30)
     assert all(g.value.status_code == 200 for g in sent)
     assert services(worker_b.app).live.registry.get(busy.url).engine is None  # never read
+
+
+def test_another_host_calls_are_seen_through_the_load_store_and_redis_down_routes_on(
+        sim, proxy, tmp_path, redis_server, caplog) -> None:
+    """Two hosts (two state directories) sharing ``load_store``, neither reading any engine:
+    host B sees host A's open calls on `busy` in its snapshot and sends its own elsewhere;
+    with Redis stopped, B routes on without it (docs/behaviour.md#routing-policies 2)."""
+    slow = {"prefill_tokens_per_s": 2000.0, "max_model_len": 4096}
+    busy, idle, d = sim("prefill", **slow), sim("prefill", **slow), sim("decode", **slow)
+    shared = {"probe_interval": 0.1, "engine_metrics_interval": 0,
+              "load_store": redis_server.url}
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    host_a = proxy(roster([busy], [d], **shared), probes=True, state_dir=str(tmp_path / "a"))
+    host_b = proxy(roster([busy, idle], [d], routing={"prefill": "least_loaded"}, **shared),
+                   probes=True, state_dir=str(tmp_path / "b"))
+    share_b = services(host_b.app).live.registry.share
+    assert share_b is not None and share_b.host != services(host_a.app).live.registry.share.host
+    sent = [gevent.spawn(_post, host_a.url, f"{i} {LONG}") for i in range(4)]
+    eventually(lambda: busy.state.engine_gauges()[1] >= 2, what="host A's prefills queued")
+    eventually(lambda: share_b.counts(busy.url)[0] >= 2, what="host B heard host A's calls")
+    assert share_b.counts(busy.url)[1] > 1000  # with their estimated prompt tokens
+    assert share_b.counts(idle.url) == (0, 0)
+    for i in range(6):
+        assert _post(host_b.url, f"b{i} short").status_code == 200
+    # Against the coin tosses without a store: host A's open calls weigh on `busy`.
+    assert idle.state.stats()["completions"] == 6
+    assert sample(scrape(host_b.url), "epd_load_store_up") == 1
+    gevent.joinall(sent, timeout=30)
+    assert all(g.value.status_code == 200 for g in sent)
+
+    redis_server.stop()
+    with caplog.at_level(logging.WARNING, logger="epd_flask.fleet.loadshare"):
+        eventually(lambda: share_b.up is False, what="host B's exchange failed")
+        answers = [_post(host_b.url, f"c{i} short") for i in range(4)]
+    assert all(a.status_code == 200 for a in answers)
+    assert share_b.counts(busy.url) == (0, 0)
+    assert sample(scrape(host_b.url), "epd_load_store_up") == 0
+    warnings = [r for r in caplog.records if "does not answer" in r.getMessage()
+                and r.name == "epd_flask.fleet.loadshare"]
+    assert 1 <= len(warnings) <= 2, "one per host, not one per exchange or request"
 
 
 def test_a_failing_metrics_page_keeps_the_last_values_and_warns_once(fake, sim, proxy,

@@ -205,6 +205,25 @@ def test_on_a_prefill_the_choice_is_where_the_prompt_would_be_done_first() -> No
     assert choose({}).target == b  # then the first in rendezvous order of the least queued
 
 
+def test_a_load_that_moves_while_a_choice_is_made_is_read_once_per_candidate() -> None:
+    """Sibling workers' calls change the load board between two reads of it: a choice reads
+    each candidate's load once, so the best it found is among those it ties (a second read
+    used to find none: IndexError, a 500)."""
+    a, b, c = (Placement(Instance(role="prefill", url=f"http://10.0.0.{i}:1"))
+               for i in (1, 2, 3))
+    prefix = Decision(a, "kv_aware", policies.HIT, "hit")
+    reads = iter(range(1000, 0, -7))
+
+    def moving(instance: Instance) -> int:
+        return next(reads)
+
+    got = policies.kv_cost_choice([a, b, c], {}, dict.fromkeys((a.url, b.url, c.url), 16),
+                                  10, 164, moving, prefix)
+    assert (got.target, got.why) == (c, "blocks=0/10,load=986")
+    got = policies.kv_choice([a, b, c], {b.url: 2, c.url: 2}, 10, moving, 1.25, prefix)
+    assert got.target == b and got.outcome == "kvhit"
+
+
 def test_kv_aware_routes_to_the_instance_holding_the_prompt_and_logs_why(
         publishers: list[Publisher], heard: Heard) -> None:
     registry, kv, router = fleet(publishers, 3, heard.events)

@@ -26,9 +26,10 @@ def promtool(*args: str) -> str:
 
 def exported_names() -> set[str]:
     """Every sample name the proxy can expose, from its metric definitions (admission's and
-    its store's included, which exist only while they are configured)."""
+    the shared stores' included, which exist only while they are configured)."""
     families = Families(CollectorRegistry())
-    families.admission_on().store()
+    families.admission_on().store_up.set(True)
+    families.load_store_up.set(True)
     return {sample(metric, part) for metric in families.collectors()
             for part in (HISTOGRAM_PARTS if kind(metric) == "histogram" else ("",))}
 
