@@ -22,7 +22,7 @@ BELOW_OBSERVE = ("core", "control", "upstream", "fleet", "serving")
 
 def test_every_hook_knows_its_name_and_the_metrics_listen_to_each() -> None:
     hooks = Events().hooks()
-    assert len(hooks) == 25
+    assert len(hooks) == 26
     assert all(h.name == name for name, h in hooks.items())
     assert not any(isinstance(v, EventHook) for v in vars(events).values())  # none per process
     app = Events()
