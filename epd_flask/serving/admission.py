@@ -183,8 +183,10 @@ class Ticket:
 
     def finished(self, ctx: RequestContext) -> None:
         """The request ended, however: everything it held is free."""
-        if self.waiter is not None and not self.waiter.done:
-            self.gate.leave(self)
+        if self.waiter is not None:
+            if not self.waiter.done:
+                self.gate.leave(self)
+            self.waiter = None  # it holds the ticket: the two would wait for a full collection
         for role in self.reserved:
             self.gate.unreserve(role, self.key[0])
         self.reserved.clear()
