@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import orjson
@@ -29,6 +31,20 @@ def board_with(counts: dict[str, tuple[int, int]]) -> LoadBoard:
         board.add(url, calls, CALLS)
         board.add(url, tokens, TOKENS)
     return board
+
+
+@contextmanager
+def exchanging(url: str, instances: list[str], *shares: LoadShare) -> Iterator[None]:
+    """``shares`` sending their counts on ``instances`` through the store at ``url``; stopped
+    when the block ends."""
+    for share in shares:
+        share.follow(lambda: instances)
+        share.configure(url)
+    try:
+        yield
+    finally:
+        for share in shares:
+            share.stop()
 
 
 def test_a_host_sends_the_instances_it_has_calls_on_and_their_tokens() -> None:
@@ -61,10 +77,7 @@ def test_each_host_hears_the_others_counts_not_its_own_and_forgets_one_that_stop
         redis_server, monkeypatch: pytest.MonkeyPatch) -> None:
     board_a, board_b = board_with({P1: (2, 3000)}), board_with({P2: (1, 40)})
     a, b = LoadShare(board_a, "host-a"), LoadShare(board_b, "host-b")
-    for share in (a, b):
-        share.follow(lambda: [P1, P2, P3])
-        share.configure(redis_server.url)
-    try:
+    with exchanging(redis_server.url, [P1, P2, P3], a, b):
         a.exchange()
         b.exchange()
         assert b.counts(P1) == (2, 3000) and b.counts(P2) == (0, 0)  # its own are not others'
@@ -85,9 +98,6 @@ def test_each_host_hears_the_others_counts_not_its_own_and_forgets_one_that_stop
         eventually(lambda: (b.exchange(), b.counts(P1))[1] == (0, 0), 5,
                    what="host A's key expired")
         assert b.counts(P3) == (0, 0)
-    finally:
-        a.stop()
-        b.stop()
 
 
 def test_a_store_that_stops_answering_counts_for_nothing_and_is_logged_once(
@@ -97,10 +107,7 @@ def test_a_store_that_stops_answering_counts_for_nothing_and_is_logged_once(
     events.load_store.add_listener(heard.append)
     a = LoadShare(board_with({P1: (2, 3000)}), "host-a")
     b = LoadShare(LoadBoard(None), "host-b", events)
-    for share in (a, b):
-        share.follow(lambda: [P1])
-        share.configure(redis_server.url)
-    try:
+    with exchanging(redis_server.url, [P1], a, b):
         a.exchange()
         b.exchange()
         assert b.counts(P1) == (2, 3000) and b.up is True
@@ -115,9 +122,6 @@ def test_a_store_that_stops_answering_counts_for_nothing_and_is_logged_once(
         assert heard == [True, False]
         b.configure("")
         assert heard == [True, False, None] and b.up is None
-    finally:
-        a.stop()
-        b.stop()
 
 
 def test_routing_counts_this_host_and_the_other_hosts_it_heard_of(redis_server) -> None:
@@ -126,14 +130,8 @@ def test_routing_counts_this_host_and_the_other_hosts_it_heard_of(redis_server) 
     registry = Registry([Instance(role="prefill", url=P1)], board=board, share=share)
     assert registry.proxies(P1) == (1, 100)  # no store: this host alone
     other = LoadShare(board_with({P1: (2, 3000)}), "host-a")
-    for s in (share, other):
-        s.follow(lambda: [P1])
-        s.configure(redis_server.url)
-    try:
+    with exchanging(redis_server.url, [P1], share, other):
         other.exchange()
         share.exchange()
         assert registry.host(P1) == (1, 100)
         assert registry.proxies(P1) == (3, 3100)
-    finally:
-        share.stop()
-        other.stop()
