@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import gevent
 import pytest
 import requests
 import yaml
@@ -21,6 +22,8 @@ from tests.helpers import children, eventually, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT = 20.0
+#: Stops that ``Launcher.stop_all`` left running; the session's end waits for them.
+STOPPING: list[gevent.Greenlet] = []
 
 
 class Process:
@@ -111,14 +114,26 @@ class Launcher:
         return p
 
     def stop_all(self) -> None:
+        """SIGTERM to every process, then their graceful stops (a gunicorn worker notices
+        its SIGTERM on a one-second tick) go on while the next test runs; the session's end
+        waits for them and fails if one would not stop."""
         # A response the test dropped may still hold a kept-alive connection until the garbage
         # collector runs, and a stopping gunicorn worker waits for it (up to its keepalive).
         gc.collect()
         for p in reversed(self.started):
             p.terminate()
-        for p in reversed(self.started):
-            p.stop()
+        STOPPING.extend(gevent.spawn(p.stop) for p in reversed(self.started))
         self.started.clear()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    gevent.joinall(STOPPING)
+    stuck = [g.exception for g in STOPPING if g.exception is not None]
+    STOPPING.clear()
+    if stuck:
+        session.config.get_terminal_writer().line(
+            f"{len(stuck)} started processes would not stop: {stuck[0]!r}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture
