@@ -62,8 +62,12 @@ run: $(STAMP)
 	$(BIN)/epd-flask --port $(PORT) --pidfile $(EPD_PIDFILE)
 
 ## test: the whole suite, with gevent patching everything before pytest imports anything, in
-## TEST_JOBS processes that share the test files (tests/shards.py; TEST_JOBS=1: one pytest)
+## TEST_JOBS processes that share the test files (tests/shards.py; TEST_JOBS=1: one pytest).
+## The sources are byte-compiled first: the suite starts hundreds of Python processes (gunicorn
+## workers, simulators), each of which would compile them again where PYTHONDONTWRITEBYTECODE
+## is set or before the first has written them.
 test: $(STAMP)
+	$(BIN)/python -m compileall -q -j 0 epd_flask tests
 	$(if $(filter 1,$(TEST_JOBS)),,$(BIN)/python tests/shards.py $(TEST_JOBS)) \
 	    $(BIN)/python -m gevent.monkey --module pytest $(PYTEST_ARGS)
 
