@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import gevent
 import pytest
@@ -29,20 +30,34 @@ STOPPING: list[gevent.Greenlet] = []
 class Process:
     def __init__(self, argv: list[str], url: str, env: dict[str, str] | None = None,
                  cwd: Path = ROOT, log: Path | None = None) -> None:
-        self.url = url
+        self._url = url
+        #: Set by whoever started the process without waiting for it: the first read of
+        #: ``url`` waits until it answers /health.
+        self.starting = False
         self.log = log
         out = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115
         self.proc = subprocess.Popen(argv, cwd=cwd, env={**os.environ, **(env or {})},
                                      stdout=out, stderr=subprocess.STDOUT,
                                      start_new_session=True)
 
+    @property
+    def url(self) -> str:
+        self.ensure_up()
+        return self._url
+
+    def ensure_up(self) -> None:
+        """Returns once the process answers /health if it was started without a wait."""
+        if self.starting:
+            self.starting = False
+            self.wait_up()
+
     def wait_up(self, path: str = "/health") -> None:
         def up() -> bool:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.url} exited early: {self.tail()}")
-            return requests.get(self.url + path, timeout=1).status_code == 200
+                raise RuntimeError(f"{self._url} exited early: {self.tail()}")
+            return requests.get(self._url + path, timeout=1).status_code == 200
         eventually(up, START_TIMEOUT, interval=0.05, ignoring=(requests.RequestException,),
-                   what=lambda: f"{self.url} up: {self.tail()}")
+                   what=lambda: f"{self._url} up: {self.tail()}")
 
     def stats(self) -> dict[str, Any]:
         return requests.get(self.url + "/sim/stats", timeout=5).json()
@@ -78,19 +93,33 @@ class Process:
 
 class Launcher:
     """Starts simulators and gunicorn masters on free ports, logs under ``log_dir``; stops
-    them all at once (SIGTERM to every process first, so their graceful waits overlap)."""
+    them all at once (SIGTERM to every process first, so their graceful waits overlap).
+
+    The simulators a test starts before its first gunicorn start side by side: each is
+    waited for (answering /health) when its address is first read, and every one before a
+    gunicorn starts. Those started later are waited for at once, as a test that restarts one
+    times from there."""
 
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = log_dir
         self.started: list[Process] = []
+        self.serving = False  # a gunicorn was started
 
     def sim(self, role: str, *args: str, port: int | None = None) -> Process:
-        port = port or free_port()
+        if port is None:
+            # Ports of simulators still starting are not bound yet: never hand one out twice.
+            taken = {urlsplit(p._url).port for p in self.started if p.starting}
+            port = free_port()
+            while port in taken:
+                port = free_port()
         p = Process([sys.executable, "-m", "epd_flask.sim.cli", "--role", role,
                      "--port", str(port), *args], f"http://127.0.0.1:{port}",
                     log=self.log_dir / f"sim-{role}-{port}.log")
         self.started.append(p)
-        p.wait_up()
+        if self.serving:
+            p.wait_up()
+        else:
+            p.starting = True
         return p
 
     def gunicorn(self, roster: dict[str, Any] | None, *args: str, workers: int = 1,
@@ -99,6 +128,9 @@ class Launcher:
         """Start gunicorn over ``roster`` (written to a file), or over an existing
         ``roster_file`` when ``roster`` is None. The master's state directory lives with the
         logs, so a master that had to be killed leaves nothing behind."""
+        for q in self.started:
+            q.ensure_up()  # a simulator still starting: up before gunicorn probes it
+        self.serving = True
         port = port or free_port()
         if roster is not None:
             roster_file = roster_file or self.log_dir / f"roster-{port}.yaml"
