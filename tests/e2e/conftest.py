@@ -154,6 +154,7 @@ class Launcher:
         gc.collect()
         for p in reversed(self.started):
             p.terminate()
+        STOPPING[:] = [g for g in STOPPING if not g.successful()]
         STOPPING.extend(gevent.spawn(p.stop) for p in reversed(self.started))
         self.started.clear()
 
