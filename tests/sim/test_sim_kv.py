@@ -322,9 +322,13 @@ def test_mooncake_transfer_id_shared_by_two_prompts_crosses_answers(start_sim):
 
     alone = requests.post(d.url + "/v1/completions", json={"prompt": "other", "max_tokens": 6},
                           timeout=5).json()["choices"][0]["text"]
-    prefills = [gevent.spawn(_prefill, p.url, prompt=prompt, kv_transfer_params=prefill_params)
-                for prompt in (PROMPT, "other")]
-    eventually(lambda: p.state.stats()["in_flight"] >= 2, what="both prefills in flight")
+    # One after the other: "other" must be the second to take the slot, which two requests
+    # sent at once do not promise on a loaded machine.
+    prefills = []
+    for n, prompt in enumerate((PROMPT, "other"), start=1):
+        prefills.append(gevent.spawn(_prefill, p.url, prompt=prompt,
+                                     kv_transfer_params=prefill_params))
+        eventually(lambda n=n: p.state.stats()["in_flight"] >= n, what=f"{n} prefills in flight")
     crossed = decode(PROMPT)
     gevent.joinall(prefills, raise_error=True)
     assert crossed == alone  # the KV it pulled was the other prompt's
