@@ -20,9 +20,9 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 
@@ -54,20 +54,21 @@ class MalformedEvents(ValueError):
     """A message that is not vLLM's KV-event format."""
 
 
-@dataclass(frozen=True)
-class Stored:
-    block_hashes: tuple[Hashable, ...]
+# Tuples, not frozen dataclasses: a reader builds one per block an engine evicts, and making
+# a frozen dataclass cost more than decoding the event.
+class Stored(NamedTuple):
+    block_hashes: Sequence[Hashable]
     parent: Hashable | None
-    token_ids: tuple[int, ...]
+    #: The blocks' token ids; decoded from the wire, an ``array("I")`` (already packed).
+    token_ids: Sequence[int]
     block_size: int
     #: What else vLLM hashed into these blocks (a LoRA, media, a cache salt); blocks with
     #: any are keyed apart from plain text, so a text prompt never matches them.
     salt: bytes = b""
 
 
-@dataclass(frozen=True)
-class Removed:
-    block_hashes: tuple[Hashable, ...]
+class Removed(NamedTuple):
+    block_hashes: Sequence[Hashable]
 
 
 @dataclass(frozen=True)
@@ -82,11 +83,47 @@ def are_token_ids(values: Any) -> bool:
     """Whether ``values`` is a list of token ids a block name can hold: integers (not
     booleans) from 0 to ``MAX_TOKEN_ID``. Checked where ids enter (a client's prompt, a
     /tokenize answer, a store event), so naming blocks never meets one it cannot pack."""
+    return packed_ids(values) is not None
+
+
+def packed_ids(values: Any) -> array[int] | None:
+    """``values`` packed as block names pack them, if they are token ids (``are_token_ids``):
+    the packing itself refuses what is not an integer in 0..``MAX_TOKEN_ID``, so one pass
+    checks and packs."""
     if not isinstance(values, (list, tuple)):
-        return False
-    if not values:
-        return True
-    return set(map(type, values)) == {int} and min(values) >= 0 and max(values) <= MAX_TOKEN_ID
+        return None
+    try:
+        packed = array("I", values)
+    except (TypeError, OverflowError):
+        return None
+    if _holds_booleans(values, packed):
+        return None
+    return packed
+
+
+#: What True and False pack as: only an id that packs as one of them can be a boolean.
+_BOOLEAN_WORDS = tuple(array("I", [n]).tobytes() for n in (0, 1))
+#: Ids of 0 or 1 asked their type one by one; past them, every id is (one pass in C).
+_FEW = 64
+
+
+def _holds_booleans(values: Sequence[Any], packed: array[int]) -> bool:
+    """Whether ``values``, which packed as ``packed``, holds a boolean. Asking every id its
+    type took as long as hashing the blocks; the 0s and 1s, found in the packed bytes, are
+    the only ids that can be booleans, and there are few."""
+    raw = packed.tobytes()
+    asked = 0
+    for word in _BOOLEAN_WORDS:
+        at = raw.find(word)
+        while at != -1:
+            if at % TOKEN_BYTES == 0:
+                if type(values[at // TOKEN_BYTES]) is bool:
+                    return True
+                asked += 1
+                if asked > _FEW:
+                    return bool in set(map(type, values))
+            at = raw.find(word, at + 1)
+    return False
 
 
 def sequence_number(frame: bytes) -> int:
@@ -150,50 +187,54 @@ def pieces(event: Event, blocks: int) -> Iterator[Event]:
         parent = part[-1]
 
 
-def _fields(raw: Any, names: tuple[str, ...]) -> tuple[str, dict[str, Any]]:
-    if isinstance(raw, dict):
-        return str(raw.get("type")), raw
-    if isinstance(raw, (list, tuple)) and raw:
-        return str(raw[0]), dict(zip(names, raw[1:], strict=False))
-    raise MalformedEvents(f"an event that is neither a map nor an array: {type(raw).__name__}")
-
-
-def _hashes(value: Any) -> tuple[Hashable, ...]:
-    if not isinstance(value, (list, tuple)) \
-            or not all(isinstance(h, (bytes, int)) and not isinstance(h, bool) for h in value):
+def _hashes(value: Any) -> Sequence[Hashable]:
+    if not isinstance(value, (list, tuple)) or not _HASH_TYPES.issuperset(map(type, value)):
         raise MalformedEvents("block_hashes is not a list of bytes or integers")
-    return tuple(value)
+    return value
+
+
+_HASH_TYPES = frozenset((bytes, int))
 
 
 def decode_event(raw: Any) -> Event:
-    kind = raw.get("type") if isinstance(raw, dict) else raw[0] if isinstance(
-        raw, (list, tuple)) and raw else None
+    """One event, decoded. A reader decodes one per block an engine evicts, so the common
+    cases are checked first and nothing is built twice."""
+    if isinstance(raw, dict):
+        kind, f = raw.get("type"), raw
+    elif isinstance(raw, (list, tuple)) and raw:
+        kind, f = raw[0], None
+    else:
+        raise MalformedEvents(f"an event that is neither a map nor an array: "
+                              f"{type(raw).__name__}")
+    if kind == REMOVED:
+        if f is None:
+            f = dict(zip(REMOVED_FIELDS, raw[1:], strict=False))
+        return Removed(_hashes(f.get("block_hashes")))
     if kind == CLEARED:
         return Cleared()
-    if kind == REMOVED:
-        _, f = _fields(raw, REMOVED_FIELDS)
-        return Removed(_hashes(f.get("block_hashes")))
     if kind != STORED:
         raise MalformedEvents(f"an unknown event kind {kind!r}")
-    _, f = _fields(raw, STORED_FIELDS)
+    if f is None:
+        f = dict(zip(STORED_FIELDS, raw[1:], strict=False))
     hashes = _hashes(f.get("block_hashes"))
     parent = f.get("parent_block_hash")
-    tokens = f.get("token_ids")
     size = f.get("block_size")
     if parent is not None and not isinstance(parent, (bytes, int)):
         raise MalformedEvents("parent_block_hash is not bytes, an integer or nil")
-    if not are_token_ids(tokens):
+    tokens = packed_ids(f.get("token_ids"))
+    if tokens is None:
         raise MalformedEvents(f"token_ids is not a list of integers in 0..{MAX_TOKEN_ID}")
     if not isinstance(size, int) or size <= 0 or len(tokens) != size * len(hashes):
         raise MalformedEvents(f"{len(tokens)} token ids for {len(hashes)} blocks of {size!r}")
     extra = [f.get("lora_name"), f.get("extra_keys")]
     salt = b"" if not any(_meaningful(x) for x in extra) else repr(extra).encode()
-    return Stored(hashes, parent, tuple(tokens), size, salt)
+    return Stored(hashes, parent, tokens, size, salt)
 
 
 def _meaningful(value: Any) -> bool:
     if isinstance(value, (list, tuple)):
-        return any(_meaningful(v) for v in value)
+        # vLLM sends one entry per block, nearly always None
+        return value.count(None) != len(value) and any(_meaningful(v) for v in value)
     return value is not None
 
 
@@ -203,8 +244,13 @@ def block_key(parent: bytes, token_ids: Sequence[int], salt: bytes = b"") -> byt
     return _name(parent, array("I", token_ids).tobytes(), salt)
 
 
+#: The hash every name starts from; copying it is cheaper than making it anew per block.
+_HASHER = hashlib.blake2b(digest_size=KEY_BYTES, person=b"epd-kv")
+
+
 def _name(parent: bytes, packed: bytes, salt: bytes = b"") -> bytes:
-    h = hashlib.blake2b(parent, digest_size=KEY_BYTES, person=b"epd-kv")
+    h = _HASHER.copy()
+    h.update(parent)
     h.update(packed)
     if salt:
         h.update(salt)
@@ -274,15 +320,20 @@ class CachePicture:
 
     def apply(self, events: Sequence[Event]) -> None:
         for event in events:
-            if isinstance(event, Stored):
+            if isinstance(event, Removed):
+                self.remove(event.block_hashes)
+            elif isinstance(event, Stored):
                 self._store(event)
-            elif isinstance(event, Removed):
-                for theirs in event.block_hashes:
-                    ours = self._theirs.pop(theirs, None)
-                    if ours is not None:
-                        self._forget(ours)
             else:
                 self.clear()
+
+    def remove(self, block_hashes: Iterable[Hashable]) -> None:
+        theirs, ours, roots = self._theirs, self._ours, self._roots
+        for h in block_hashes:
+            key = theirs.pop(h, None)
+            if key is not None:
+                ours.pop(key, None)
+                roots.discard(key)
 
     def clear(self) -> None:
         self._theirs.clear()
@@ -303,14 +354,28 @@ class CachePicture:
             self.orphans += 1
         parent = ORPHAN if known is None else known
         step = event.block_size * TOKEN_BYTES
-        packed = array("I", event.token_ids).tobytes()
-        for i, theirs in enumerate(event.block_hashes):
-            parent = _name(parent, packed[i * step:(i + 1) * step], event.salt)
-            self._hold(theirs, parent)
-            if i == 0 and known is None:
+        tokens = event.token_ids
+        packed = (tokens if isinstance(tokens, array) else array("I", tokens)).tobytes()
+        salt = event.salt
+        theirs_map, ours_map = self._theirs, self._ours
+        at = 0
+        for theirs in event.block_hashes:
+            h = _HASHER.copy()
+            h.update(parent)
+            h.update(packed[at:at + step])
+            if salt:
+                h.update(salt)
+            parent = h.digest()
+            if theirs in theirs_map or parent in ours_map:
+                self._hold(theirs, parent)
+            else:  # a new block under a new hash, nearly always: nothing to undo
+                theirs_map[theirs] = parent
+                ours_map[parent] = theirs
+            if at == 0 and known is None:
                 self._roots.add(parent)
-        while len(self._theirs) > self.max_blocks:
-            _, ours = self._theirs.popitem(last=False)
+            at += step
+        while len(theirs_map) > self.max_blocks:
+            _, ours = theirs_map.popitem(last=False)
             self._forget(ours)
 
     def _hold(self, theirs: Hashable, ours: bytes) -> None:

@@ -310,19 +310,25 @@ class Reader:
             self._dropped(1, f"a message of {count} events (more than {MAX_MESSAGE_EVENTS})")
             return
         self._sequence(seq)
-        counts = {"stored": 0, "removed": 0, "cleared": 0}
+        counts = dict.fromkeys(_KIND, 0)
+        picture = self.picture
         try:
             for event in batch:
-                for piece in pieces(event, PIECE_BLOCKS):
-                    self.picture.apply((piece,))
+                kind = type(event)
+                if kind is Removed and len(event.block_hashes) <= PIECE_BLOCKS:
+                    picture.remove(event.block_hashes)  # one per evicted block: kept short
                     turn.check()
-                counts[_KIND[type(event)]] += 1
+                else:
+                    for piece in pieces(event, PIECE_BLOCKS):
+                        picture.apply((piece,))
+                        turn.check()
+                counts[kind] += 1
         except MalformedEvents as exc:
             self._malformed(exc)
         finally:
             for kind, n in counts.items():
                 if n:
-                    self.events.kv_events.fire(self.url, kind, n)
+                    self.events.kv_events.fire(self.url, _KIND[kind], n)
 
     def _sequence(self, seq: int) -> None:
         if self._last_seq is not None and seq != self._last_seq + 1:

@@ -170,6 +170,23 @@ def test_garbage_is_malformed_not_a_crash(payload: bytes) -> None:
         kvcache.decode_batch(payload)
 
 
+@pytest.mark.parametrize("tokens", [
+    [5, 6, True, 7], [0, 1, 2, False], [1] * 200 + [True] + [0] * 3, [0.0, 1, 2, 3],
+    [2 ** 32, 1, 2, 3], ["a", 1, 2, 3],
+], ids=["a boolean", "a boolean among 0s and 1s", "a boolean after many 1s", "a float",
+        "2^32", "a string"])
+def test_a_store_of_ids_that_are_not_integers_in_range_is_malformed(tokens: list[object]) -> None:
+    size = len(tokens)
+    with pytest.raises(MalformedEvents):
+        kvcache.decode_batch(batch(stored([1], None, tokens, size=size)))
+
+
+@pytest.mark.parametrize("tokens", [[0, 1, 0, 1], [1] * 200 + [0] * 4, [2 ** 32 - 1, 0, 7, 1]])
+def test_ids_of_0_and_1_are_ids(tokens: list[int]) -> None:
+    picture = picture_of([stored([1], None, tokens, size=len(tokens))])
+    assert picture.matched(prompt_keys(tokens, len(tokens))) == 1
+
+
 def test_sequence_numbers_are_eight_bytes_big_endian() -> None:
     assert kvcache.sequence_number((258).to_bytes(8, "big")) == 258
     with pytest.raises(MalformedEvents):
