@@ -10,14 +10,17 @@ import time
 import gevent
 import pytest
 
+from epd_flask.fleet.saturation import ENGINE_WAITING_FULL
 from tests.helpers import eventually
 from tests.rosters import roster
 from tests.vllm.checks import call, chat_body, unique_prompt
 
 pytestmark = pytest.mark.vllm
 
-#: Low-priority requests sent before the high one.
-LOWS = 6
+#: Low-priority requests sent before the high one: as many as the engine takes before the
+#: proxy calls it full (one running, the rest waiting), so every one of them waits in the
+#: engine's queue, not the proxy's, and what overtakes them is vLLM's scheduler.
+LOWS = ENGINE_WAITING_FULL
 
 
 def test_a_high_priority_tenant_overtakes_a_waiting_low_priority_one(fleet):
