@@ -360,12 +360,7 @@ class CachePicture:
         theirs_map, ours_map = self._theirs, self._ours
         at = 0
         for theirs in event.block_hashes:
-            h = _HASHER.copy()
-            h.update(parent)
-            h.update(packed[at:at + step])
-            if salt:
-                h.update(salt)
-            parent = h.digest()
+            parent = _name(parent, packed[at:at + step], salt)
             if theirs in theirs_map or parent in ours_map:
                 self._hold(theirs, parent)
             else:  # a new block under a new hash, nearly always: nothing to undo
