@@ -17,6 +17,8 @@ from urllib.parse import urlsplit
 import gevent
 from gevent.pywsgi import WSGIHandler
 
+from tests import shards
+
 T = TypeVar("T")
 #: How long a test waits for something the proxy does in the background (probes, aborts).
 EVENTUALLY = 5.0
@@ -111,10 +113,29 @@ def children(pid: int) -> set[int]:
     return found
 
 
+#: Ports this process handed out (``free_port``).
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port no one listens on, never handed out before in this test run.
+
+    The kernel's answer is free only until the process it is given to binds it, a second or
+    more for a gunicorn; meanwhile another test, or another process of ``make test``, could
+    be told the same port, and a client of the one that lost the race would be served by the
+    other's server. So each port is handed out once: by this process (a set), and among the
+    processes of ``tests/shards.py`` by claiming it in their shared directory.
+    """
+    claims = os.environ.get(shards.CLAIMS)
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port in _HANDED_OUT:
+            continue
+        _HANDED_OUT.add(port)
+        if claims is None or shards.claim(claims, f"port {port}"):
+            return port
 
 
 class RawStream:

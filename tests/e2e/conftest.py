@@ -12,7 +12,6 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import gevent
 import pytest
@@ -106,12 +105,7 @@ class Launcher:
         self.serving = False  # a gunicorn was started
 
     def sim(self, role: str, *args: str, port: int | None = None) -> Process:
-        if port is None:
-            # Ports of simulators still starting are not bound yet: never hand one out twice.
-            taken = {urlsplit(p._url).port for p in self.started if p.starting}
-            port = free_port()
-            while port in taken:
-                port = free_port()
+        port = port or free_port()
         p = Process([sys.executable, "-m", "epd_flask.sim.cli", "--role", role,
                      "--port", str(port), *args], f"http://127.0.0.1:{port}",
                     log=self.log_dir / f"sim-{role}-{port}.log")
