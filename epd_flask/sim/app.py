@@ -324,7 +324,8 @@ class SimApp:
             first = now + cfg.ttft
             return (lambda: first), cfg.token_delay
         engine = self.state.engine
-        step = engine.inter_token(cfg.token_delay, cfg.token_delay_per_stream, now)
+        step = engine.inter_token(cfg.token_delay, cfg.token_delay_per_stream, now,
+                                  cfg.token_delay_per_context_token)
         computed = answer.computed_tokens
         if computed is None:
             computed = max(0, answer.prompt_tokens - answer.cached_tokens)
@@ -334,7 +335,7 @@ class SimApp:
         steps = max((len(p) for p in answer.pieces), default=0)
         end = job.end + after + step * max(steps - 1, 0)
         if steps > 1:
-            engine.stream_until(end)
+            engine.stream_until(end, answer.prompt_tokens + steps // 2)
         engine.hold(-(-(answer.prompt_tokens + steps) // cfg.block_size), end)
         return (lambda: job.end + after), step
 

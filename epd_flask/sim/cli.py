@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token-delay-per-stream-ms", type=float, default=0.0,
                    help="cost model: milliseconds added to --token-delay-ms per other running "
                    "stream (default: %(default)s)")
+    p.add_argument("--token-delay-per-context-token-us", type=float, default=0.0,
+                   help="cost model: microseconds added to --token-delay-ms per token of "
+                   "context the other running streams hold (default: %(default)s)")
     p.add_argument("--max-num-seqs", type=int, default=0,
                    help="requests the engine runs at once, the others wait, as vLLM's "
                    "--max-num-seqs; 0 = no bound (default: %(default)s)")
@@ -117,6 +120,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         token_delay=args.token_delay_ms / MS, output_tokens=args.output_tokens,
         prefill_tokens_per_s=args.prefill_tokens_per_s,
         token_delay_per_stream=args.token_delay_per_stream_ms / MS,
+        token_delay_per_context_token=args.token_delay_per_context_token_us / 1e6,
         max_num_seqs=args.max_num_seqs, scheduling_policy=args.scheduling_policy,
         kv_cache_blocks=args.kv_cache_blocks, block_size=args.block_size,
         kv_events_config=args.kv_events_config,

@@ -32,8 +32,8 @@ DEFAULT_KEEPALIVE_TIMEOUT = 5.0
 LIVE_KNOBS = frozenset(
     {"ttft", "token_delay", "output_tokens", "max_model_len", "ec_metadata", "model",
      "record_health", "kv_timeout", "prefill_tokens_per_s", "token_delay_per_stream",
-     "kv_cache_blocks", "block_size", "kv_events_config", "kv_params_extra",
-     "kv_params_omit", "max_num_seqs", "scheduling_policy"}
+     "token_delay_per_context_token", "kv_cache_blocks", "block_size", "kv_events_config",
+     "kv_params_extra", "kv_params_omit", "max_num_seqs", "scheduling_policy"}
 )
 #: The prefix cache's default size in blocks: thousands of distinct prompts.
 DEFAULT_KV_CACHE_BLOCKS = 65536
@@ -85,6 +85,9 @@ class SimConfig:
     prefill_tokens_per_s: float = 0.0
     # With the cost model: added to token_delay for each other stream running.
     token_delay_per_stream: float = 0.0
+    # With the cost model: added to token_delay for each token of context (prompt and answer)
+    # the other running streams hold, whose KV every decode step reads.
+    token_delay_per_context_token: float = 0.0
     # The prefix cache's capacity in blocks, least recently used evicted first.
     kv_cache_blocks: int = DEFAULT_KV_CACHE_BLOCKS
     # Tokens per prefix-cache block (vLLM's --block-size); KV events carry blocks this long.
@@ -153,7 +156,7 @@ def _int_at_least(name: str, value: Any, floor: int) -> int:
 def coerce_knob(name: str, value: Any) -> Any:
     """Check one live knob's value; raises ValueError with a message fit for an HTTP 400."""
     if name in ("ttft", "token_delay", "kv_timeout", "prefill_tokens_per_s",
-                "token_delay_per_stream"):
+                "token_delay_per_stream", "token_delay_per_context_token"):
         return _non_negative_float(name, value)
     if name == "output_tokens":
         return _int_at_least(name, value, 0)

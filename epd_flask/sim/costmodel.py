@@ -15,9 +15,12 @@ With ``prefill_tokens_per_s`` > 0 the server behaves like one vLLM engine under 
   running request of the highest (priority, arrival)); the cost model does not run out of
   KV blocks, so it never preempts;
 - the inter-token time of a stream is ``token_delay + token_delay_per_stream * (other
-  streams running)``: decode steps are memory-bound, and each extra sequence in the batch adds
-  its KV reads. It is fixed when the stream starts, from the streams running then (the end
-  times of the answers this server planned);
+  streams running) + token_delay_per_context_token * (their tokens of context)``: decode
+  steps are memory-bound, and each extra sequence in the batch adds its KV reads, which grow
+  with its context (the flat figure per stream holds for one context length; the figure per
+  token for any). It is fixed when the stream starts, from the streams running then (the end
+  times of the answers this server planned, each with its prompt and half its answer: its
+  context on average over its life);
 - a decode that got no KV handles (selective disaggregation, a failed prefill) computes the
   prompt itself, through its own prefix cache and budget; with valid handles its first token
   is one decode step.
@@ -56,7 +59,7 @@ class EngineClock:
         self._started_until = 0.0  # when the prefills that started computing are done
         self._queued: list[Prefill] = []  # not started, in the order they will run
         self._seq = itertools.count()
-        self._stream_ends: list[float] = []
+        self._streams: list[tuple[float, int]] = []  # (end, context tokens) of each stream
         self._held: list[tuple[float, int]] = []  # (until, blocks) of requests in flight
 
     @property
@@ -121,18 +124,22 @@ class EngineClock:
 
     def running(self, now: float | None = None) -> int:
         now = time.monotonic() if now is None else now
-        cut = bisect.bisect_right(self._stream_ends, now)
-        del self._stream_ends[:cut]
-        return len(self._stream_ends)
+        del self._streams[:bisect.bisect_right(self._streams, (now, 1 << 62))]
+        return len(self._streams)
 
-    def inter_token(self, base: float, per_stream: float, now: float | None = None) -> float:
-        return base + per_stream * self.running(now)
+    def inter_token(self, base: float, per_stream: float, now: float | None = None,
+                    per_context_token: float = 0.0) -> float:
+        step = base + per_stream * self.running(now)
+        if per_context_token:
+            step += per_context_token * sum(context for _, context in self._streams)
+        return step
 
-    def stream_until(self, end: float) -> None:
-        bisect.insort(self._stream_ends, end)
+    def stream_until(self, end: float, context: int = 0) -> None:
+        """A stream runs until ``end`` holding ``context`` tokens of KV (on average)."""
+        bisect.insort(self._streams, (end, max(0, context)))
 
     def reset(self) -> None:
         self._started_until = 0.0
         self._queued.clear()
-        self._stream_ends.clear()
+        self._streams.clear()
         self._held.clear()

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import time
 
+import gevent
 import requests
 
 from epd_flask.sim.costmodel import EngineClock
 from tests.bodies import completion, conversation
+from tests.helpers import eventually
 
 SYSTEM = "You are a careful assistant who explains caches. " * 40  # ~500 tokens
 
@@ -33,6 +35,19 @@ def test_inter_token_time_grows_with_running_streams() -> None:
     assert clock.inter_token(0.008, 0.001, now=6.0) == 0.008  # they ended
 
 
+def test_inter_token_time_grows_with_the_context_the_running_streams_hold() -> None:
+    """A decode step reads every running stream's KV: ten 1,500-token streams cost what one
+    15,000-token stream does, and nothing once they ended."""
+    short, long = EngineClock(), EngineClock()
+    for _ in range(10):
+        short.stream_until(5.0, 1500)
+    long.stream_until(5.0, 15000)
+    per_token = 1e-7
+    assert abs(short.inter_token(0.008, 0.0, 1.0, per_token) - 0.0095) < 1e-9
+    assert abs(long.inter_token(0.008, 0.0, 1.0, per_token) - 0.0095) < 1e-9
+    assert short.inter_token(0.008, 0.0, 6.0, per_token) == 0.008
+
+
 def ask(url: str, content: str) -> tuple[float, dict]:
     started = time.monotonic()
     r = requests.post(url + "/v1/chat/completions", timeout=10, json=conversation(
@@ -52,6 +67,31 @@ def test_a_cached_prefix_answers_sooner_and_reports_cached_tokens(start_sim) -> 
     assert cold > 0.2 > warm  # ~500 uncached tokens at 2000/s, then ~10
     stats = sim.state.stats()
     assert stats["prefix_cached_tokens"] >= 400 and stats["prefix_computed_tokens"] > 500
+
+
+def test_a_long_stream_running_slows_the_steps_of_a_request_by_its_context(start_sim) -> None:
+    """Through HTTP: with a cost per token of context, a short answer started while a long
+    one runs takes its steps at the base time plus that one's context, and alone the base."""
+    sim = start_sim(role="prefill_decode", max_model_len=8192, prefill_tokens_per_s=1e9,
+                    token_delay=0.001, token_delay_per_context_token=1e-4,
+                    output_tokens=2000)
+
+    def short() -> float:
+        started = time.monotonic()
+        r = requests.post(sim.url + "/v1/completions", timeout=10,
+                          json=completion("a short one", max_tokens=5))
+        assert r.status_code == 200, r.text
+        return time.monotonic() - started
+
+    alone = short()
+    long = gevent.spawn(requests.post, sim.url + "/v1/completions", timeout=30,
+                        json=completion(SYSTEM, max_tokens=2000))
+    try:
+        eventually(lambda: sim.state.engine.running() == 1, what="the long answer running")
+        beside = short()  # its 4 steps each read ~1,500 tokens of the long one's KV: +0.15 s
+    finally:
+        long.kill()
+    assert beside - alone > 0.3, (alone, beside)
 
 
 def test_without_the_cost_model_a_combined_instance_caches_nothing(start_sim) -> None:
