@@ -47,9 +47,12 @@ INSTANCES = 2
 SEATS = 64
 #: The proxy's max_concurrency per engine (``--bound``; a whole run: the engine's seats).
 BOUND = SEATS
-#: The engines' figures: bench-fleet's 8B model on one H100 (docs/benchmarks.md).
+#: The engines' figures: bench-fleet's 8B model on one H100 (docs/benchmarks.md), a decode
+#: step's cost per running stream taken per token of its context (0.15 ms for ~1,500 tokens
+#: of KV, so 0.1 us a token): the tenants' streams hold 200 to 1,500 tokens, where one figure
+#: per stream would charge a batch job's short context as a chat's long one.
 FIGURES = {"prefill_tokens_per_s": 15000.0, "token_delay": 0.008,
-           "token_delay_per_stream": 0.00015, "ttft": 0.0, "output_tokens": 1000}
+           "token_delay_per_context_token": 0.0000001, "ttft": 0.0, "output_tokens": 1000}
 DURATION = 60.0
 #: The loaded targets: admission sharing by requests, by tokens, with classes, none,
 #: vllm-router.
@@ -57,7 +60,7 @@ TARGETS = ("requests", "tokens", "classes", "none", "router")
 INTERACTIVE_RATE = 2.0
 #: Prompt characters (~4 per token) and answer tokens of each tenant's requests.
 CHAT_PROMPT, CHAT_TOKENS = 6000, 16
-BATCH_PROMPT, BATCH_TOKENS = 800, 128
+BATCH_PROMPT, BATCH_TOKENS = 800, 256
 WEIGHTS = {"chat": 4, "batch": 1}
 #: The tenants' classes in the ``classes`` target (one class, ``normal``, in the others).
 CLASSES = {"chat": "high", "batch": "low"}
@@ -248,7 +251,8 @@ def render(rows: list[dict[str, Any]], capacity: float, meta: dict[str, Any]) ->
         f"{INSTANCES} simulated prefill_decode engines (cost model: "
         f"{FIGURES['prefill_tokens_per_s']:.0f} prompt tokens/s, "
         f"{FIGURES['token_delay'] * 1000:.0f} ms per token + "
-        f"{FIGURES['token_delay_per_stream'] * 1000:.2f} ms per other running request; "
+        f"{FIGURES['token_delay_per_context_token'] * 1e6:.1f} us per token of context the "
+        "other running requests hold; "
         f"`--max-num-seqs {SEATS} --scheduling-policy priority` each: a request without "
         "`priority` gets 0, so only the row that forwards one is not first come, first "
         f"served); epd-flask 1 worker, `max_concurrency: {BOUND}`, "
