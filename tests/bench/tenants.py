@@ -124,8 +124,7 @@ def start_epd(fleet: Fleet, workdir: Path, urls: list[str],
     port = free_port()
     proc = fleet.spawn(f"epd-{port}", [str(BIN / "gunicorn"), "-c", str(GUNICORN_CONF),
                                        "wsgi:app"], env={
-        "EPD_WORKERS": "1", "EPD_BIND": f"127.0.0.1:{port}", "EPD_ROSTER": str(path),
-        "EPD_LOG_LEVEL": "warning"})
+        "EPD_WORKERS": "1", "EPD_BIND": f"127.0.0.1:{port}", "EPD_ROSTER": str(path)})
     url = f"http://127.0.0.1:{port}"
     wait_up(url + "/ready", proc)
     return url
