@@ -127,7 +127,7 @@ def free_port() -> int:
     processes of ``tests/shards.py`` by claiming it in their shared directory.
     """
     claims = os.environ.get(shards.CLAIMS)
-    while True:
+    for _ in range(10_000):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -136,6 +136,7 @@ def free_port() -> int:
         _HANDED_OUT.add(port)
         if claims is None or shards.claim(claims, f"port {port}"):
             return port
+    raise RuntimeError("no loopback port left that this test run has not handed out")
 
 
 class RawStream:
