@@ -482,14 +482,17 @@ def running(workdir: Path, variant: Variant) -> Iterator[Variant]:
         server.stop()
 
 
-def start_epd(fleet: Fleet, variant: Variant, roster: Path) -> list[str]:
+def start_epd(fleet: Fleet, variant: Variant, roster: Path, log_level: str = "warning",
+              ) -> list[str]:
+    """``variant``'s gunicorn masters; ``log_level`` info writes every request's line (its
+    instances, routing decisions and per-stage timings) into each master's log."""
     urls = []
     for _ in range(variant.processes):
         port = free_port()
         proc = fleet.spawn(f"epd-{port}", [str(BIN / "gunicorn"), "-c", str(GUNICORN_CONF),
                                            "wsgi:app"], env={
             "EPD_WORKERS": str(variant.workers), "EPD_BIND": f"127.0.0.1:{port}",
-            "EPD_ROSTER": str(roster), "EPD_LOG_LEVEL": "warning"})
+            "EPD_ROSTER": str(roster), "EPD_LOG_LEVEL": log_level})
         url = f"http://127.0.0.1:{port}"
         wait_up(url + "/ready", proc)
         urls.append(url)
@@ -610,6 +613,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "docs/benchmarks.md for a whole run; none when --short, --only, "
                         "--duration, --rate or --seed make it a partial one; '' for none)")
     p.add_argument("--json", default="")
+    p.add_argument("--proxy-log-level", default="warning",
+                   help="epd-flask's log level in the trace scenario: info writes every "
+                        "request's line (routing, per-stage timings) into the kept process "
+                        "logs, whose directory the run names")
     args = p.parse_args(argv)
     args.trace = str(Path(args.trace).resolve())
     if args.short and args.trace_limit == p.get_default("trace_limit"):

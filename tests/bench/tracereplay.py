@@ -24,6 +24,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fleet
 import mooncaketrace
+import procstat
 from run import Fleet, configure, machine, router_version
 
 from epd_flask.sim import textgen
@@ -76,6 +77,16 @@ def offline(rows: list[mooncaketrace.Row], instances: int = fleet.INSTANCES,
         oracle += len(ids) - infinite.insert_hashes(hashes, ids)
         rr += len(ids) - caches[i % instances].insert_hashes(hashes, ids)
     return {"prompt_tokens": total, "oracle": oracle, "round_robin": rr}
+
+
+def machine_busy() -> tuple[float, float]:
+    """(CPU-seconds the machine's CPUs were busy so far, CPU-seconds elapsed), from
+    /proc/stat: their difference over a replay says how near the 2 cores were to full."""
+    with open("/proc/stat", encoding="ascii") as fh:
+        ticks = [int(v) for v in fh.readline().split()[1:]]
+    idle = ticks[3] + ticks[4]
+    tck = os.sysconf("SC_CLK_TCK")
+    return (sum(ticks) - idle) / tck, sum(ticks) / tck
 
 
 def span(rows: list[mooncaketrace.Row]) -> float:
@@ -208,24 +219,32 @@ def run(args: Any, workdir: Path, sims: dict[str, list[str]], events: dict[str, 
                 roster.write_text(fleet.roster_text(sims["prefill"], sims["decode"], [], variant,
                                                     events))
                 if variant.kind == "epd":
-                    urls = fleet.start_epd(runners, variant, roster)
+                    urls = fleet.start_epd(runners, variant, roster,
+                                           getattr(args, "proxy_log_level", "warning"))
                 else:
                     urls, _ = fleet.start_router(runners, args.router, variant, sims["prefill"],
                                                  sims["decode"], [], events)
                 time.sleep(0.5)  # first probes
                 for url in sims["prefill"] + sims["decode"]:
                     fleet.post(url, "/sim/reset")
+                roots = [p.pid for p in runners.procs]
+                cpu_before, busy_before = procstat.sample(roots).cpu_s, machine_busy()
                 result = fleet.replay(urls, trace, TIMEOUT,
                                       {"mooncake": {"model": MODEL, "max_tokens": MAX_TOKENS}})
+                cpu = procstat.sample(roots).cpu_s - cpu_before
+                busy, wall = (a - b for a, b in zip(machine_busy(), busy_before, strict=True))
                 row = summarize(variant, result, [fleet.stats(u) for u in
                                                   sims["prefill"] + sims["decode"]],
                                 work["oracle"])
+                row["target_cpu_s"], row["machine_busy"] = round(cpu, 2), round(busy / wall, 3)
             finally:
                 runners.stop()
         out.append(row)
         print(f"trace {row['target']}: {row['requests']} sent, {row['errors']} errors, "
               f"{row['shed']} shed, TTFT p50 {row['ttft_p50_ms']} p90 {row['ttft_p90_ms']} "
-              f"p99 {row['ttft_p99_ms']} ms, computed {row['prefill_computed_tokens']}",
+              f"p99 {row['ttft_p99_ms']} ms, computed {row['prefill_computed_tokens']}; the "
+              f"target's processes {row['target_cpu_s']} CPU-s, the machine "
+              f"{row['machine_busy']:.0%} busy during the replay (logs in {workdir})",
               file=sys.stderr, flush=True)
     finished = datetime.datetime.now(datetime.timezone.utc)
     meta = {"started": started.isoformat(timespec="seconds"),
