@@ -89,6 +89,32 @@ def machine_busy() -> tuple[float, float]:
     return (sum(ticks) - idle) / tck, sum(ticks) / tck
 
 
+#: The request line's per-stage timings (``serving/context.py``) ``stages`` reads.
+STAGES = ("first_byte_ms", "prefill_ms", "decode_first_byte_ms")
+
+
+def stages(logs: list[Path]) -> dict[str, tuple[float, float]]:
+    """(p50, p90) in ms, over the request lines in ``logs`` (an epd-flask target's masters'
+    logs at ``--proxy-log-level info``), of the prefill leg, decode's first byte and the rest
+    of the time to the first byte (the proxy's own: ``/tokenize``, routing, queueing): which
+    of them a target loses TTFT in (a prompt decode computed alone counts a prefill leg of 0).
+    {} without request lines."""
+    found: dict[str, list[float]] = {"prefill": [], "decode_first_byte": [], "proxy": []}
+    for path in logs:
+        for line in path.read_text(errors="replace").splitlines():
+            if " request_id=" not in line or "first_byte_ms=" not in line:
+                continue
+            ms = {k: float(v) for k, v in (part.split("=", 1) for part in line.split()
+                                           if part.startswith(STAGES))}
+            first = ms.get("first_byte_ms", 0.0)
+            prefill, decode = ms.get("prefill_ms", 0.0), ms.get("decode_first_byte_ms", 0.0)
+            found["prefill"].append(prefill)
+            found["decode_first_byte"].append(decode)
+            found["proxy"].append(first - prefill - decode)
+    return {k: (fleet.pct(v, 0.5) or 0.0, fleet.pct(v, 0.9) or 0.0)
+            for k, v in found.items() if v}
+
+
 def span(rows: list[mooncaketrace.Row]) -> float:
     """The replay's length in seconds, first arrival to last (at least one second)."""
     return max(1.0, rows[-1].t if rows else 0.0)
@@ -246,6 +272,11 @@ def run(args: Any, workdir: Path, sims: dict[str, list[str]], events: dict[str, 
               f"target's processes {row['target_cpu_s']} CPU-s, the machine "
               f"{row['machine_busy']:.0%} busy during the replay (logs in {workdir})",
               file=sys.stderr, flush=True)
+        if variant.kind == "epd" and getattr(args, "proxy_log_level", "warning") == "info":
+            found = stages([workdir / f"epd-{url.rsplit(':', 1)[1]}.log" for url in urls])
+            print(f"trace {row['target']}: p50/p90 ms: " + ", ".join(
+                f"{k} {a:.0f}/{b:.0f}" for k, (a, b) in found.items()), file=sys.stderr,
+                flush=True)
     finished = datetime.datetime.now(datetime.timezone.utc)
     meta = {"started": started.isoformat(timespec="seconds"),
             "finished": finished.isoformat(timespec="seconds"), "machine": info,
