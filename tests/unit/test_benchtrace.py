@@ -127,3 +127,18 @@ def test_targets_compare_kv_aware_with_the_oracle_and_the_best_router() -> None:
         "against vllm-router's best `vllm-router kv_aware` 120/250 ms (target ≤ it: not met).")
     assert lines[-1] == ("- Errors and shed requests for every epd-flask target: not met "
                          "(epd round_robin).")
+
+
+def test_a_targets_stages_split_its_time_to_the_first_byte(tmp_path: Path) -> None:
+    """``--proxy-log-level info``: the prefill leg, decode's first byte and the proxy's own
+    rest, from the request lines of a target's logs; other lines ignored."""
+    log = tmp_path / "epd-1.log"
+    log.write_text(
+        "2026-01-01 00:00:00,000 [1] [INFO] gunicorn: Booting worker\n"
+        + "".join(f'x [1] [INFO] epd_flask.requests: request_id=r{i} routing="decode:a b" '
+                  f"prefill_ms={100 + i} decode_first_byte_ms=20 first_byte_ms={150 + i} "
+                  f"total_ms=300\n" for i in range(10)))
+    got = tracereplay.stages([log])
+    assert got == {"prefill": (105.0, 109.0), "decode_first_byte": (20.0, 20.0),
+                   "proxy": (30.0, 30.0)}
+    assert tracereplay.stages([]) == {}
