@@ -482,10 +482,11 @@ def running(workdir: Path, variant: Variant) -> Iterator[Variant]:
         server.stop()
 
 
-def start_epd(fleet: Fleet, variant: Variant, roster: Path, log_level: str = "warning",
+def start_epd(fleet: Fleet, variant: Variant, roster: Path, log_level: str = "info",
               ) -> list[str]:
-    """``variant``'s gunicorn masters; ``log_level`` info writes every request's line (its
-    instances, routing decisions and per-stage timings) into each master's log."""
+    """``variant``'s gunicorn masters; ``log_level`` info (the proxy's default, as shipped)
+    writes every request's line (its instances, routing decisions and per-stage timings)
+    into each master's log."""
     urls = []
     for _ in range(variant.processes):
         port = free_port()
@@ -613,10 +614,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "docs/benchmarks.md for a whole run; none when --short, --only, "
                         "--duration, --rate or --seed make it a partial one; '' for none)")
     p.add_argument("--json", default="")
-    p.add_argument("--proxy-log-level", default="warning",
-                   help="epd-flask's log level in the trace scenario: info writes every "
-                        "request's line (routing, per-stage timings) into the kept process "
-                        "logs, whose directory the run names")
+    p.add_argument("--proxy-log-level", default="info",
+                   help="epd-flask's log level in the trace scenario (default: info, the "
+                        "proxy's own, as shipped): info writes every request's line (routing, "
+                        "per-stage timings) into the kept process logs, whose directory the "
+                        "run names")
     args = p.parse_args(argv)
     args.trace = str(Path(args.trace).resolve())
     if args.short and args.trace_limit == p.get_default("trace_limit"):

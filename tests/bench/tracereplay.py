@@ -246,7 +246,7 @@ def run(args: Any, workdir: Path, sims: dict[str, list[str]], events: dict[str, 
                                                     events))
                 if variant.kind == "epd":
                     urls = fleet.start_epd(runners, variant, roster,
-                                           getattr(args, "proxy_log_level", "warning"))
+                                           getattr(args, "proxy_log_level", "info"))
                 else:
                     urls, _ = fleet.start_router(runners, args.router, variant, sims["prefill"],
                                                  sims["decode"], [], events)
@@ -272,7 +272,7 @@ def run(args: Any, workdir: Path, sims: dict[str, list[str]], events: dict[str, 
               f"target's processes {row['target_cpu_s']} CPU-s, the machine "
               f"{row['machine_busy']:.0%} busy during the replay (logs in {workdir})",
               file=sys.stderr, flush=True)
-        if variant.kind == "epd" and getattr(args, "proxy_log_level", "warning") == "info":
+        if variant.kind == "epd" and getattr(args, "proxy_log_level", "info") == "info":
             found = stages([workdir / f"epd-{url.rsplit(':', 1)[1]}.log" for url in urls])
             print(f"trace {row['target']}: p50/p90 ms: " + ", ".join(
                 f"{k} {a:.0f}/{b:.0f}" for k, (a, b) in found.items()), file=sys.stderr,
