@@ -555,7 +555,7 @@ def run_scenario(scenario: Scenario, args: argparse.Namespace, workdir: Path,
                                           fleet["prefill_decode"], variant, events))
             metrics = ""
             if variant.kind == "epd":
-                urls = start_epd(runners, variant, roster)
+                urls = start_epd(runners, variant, roster, args.proxy_log_level)
             else:
                 urls, metrics = start_router(runners, args.router, variant, fleet["prefill"],
                                              fleet["decode"], fleet["prefill_decode"], events)
@@ -615,10 +615,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "--duration, --rate or --seed make it a partial one; '' for none)")
     p.add_argument("--json", default="")
     p.add_argument("--proxy-log-level", default="info",
-                   help="epd-flask's log level in the trace scenario (default: info, the "
-                        "proxy's own, as shipped): info writes every request's line (routing, "
-                        "per-stage timings) into the kept process logs, whose directory the "
-                        "run names")
+                   help="epd-flask's log level (default: info, the proxy's own, as "
+                        "shipped): info writes every request's line (routing, per-stage "
+                        "timings) into the kept process logs, whose directory the run names")
     args = p.parse_args(argv)
     args.trace = str(Path(args.trace).resolve())
     if args.short and args.trace_limit == p.get_default("trace_limit"):
