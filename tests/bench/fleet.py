@@ -482,8 +482,7 @@ def running(workdir: Path, variant: Variant) -> Iterator[Variant]:
         server.stop()
 
 
-def start_epd(fleet: Fleet, variant: Variant, roster: Path, log_level: str = "info",
-              ) -> list[str]:
+def start_epd(fleet: Fleet, variant: Variant, roster: Path, log_level: str) -> list[str]:
     """``variant``'s gunicorn masters; ``log_level`` info (the proxy's default, as shipped)
     writes every request's line (its instances, routing decisions and per-stage timings)
     into each master's log."""

@@ -1,4 +1,5 @@
-"""CPU time and peak memory of a process tree, read from /proc (Linux only).
+"""CPU time and peak memory of a process tree, and how busy the machine is, read from /proc
+(Linux only).
 
 CPU is utime + stime of every live process in the tree (all threads included) plus what the
 root collected from children it reaped; peak memory is the sum of each process's VmHWM, which
@@ -67,6 +68,15 @@ def sample(roots: list[int]) -> Sample:
                 ticks += int(fields[13]) + int(fields[14])
             hwm_kb += _hwm_kb(pid)
     return Sample(ticks / CLK_TCK, hwm_kb / 1024.0)
+
+
+def machine_busy() -> tuple[float, float]:
+    """(CPU-seconds the machine's CPUs were busy so far, CPU-seconds elapsed), from
+    /proc/stat: their difference over a run says how near the cores were to full."""
+    with open("/proc/stat", encoding="ascii") as fh:
+        ticks = [int(v) for v in fh.readline().split()[1:]]
+    idle = ticks[3] + ticks[4]
+    return (sum(ticks) - idle) / CLK_TCK, sum(ticks) / CLK_TCK
 
 
 def _hwm_kb(pid: int) -> int:

@@ -79,16 +79,6 @@ def offline(rows: list[mooncaketrace.Row], instances: int = fleet.INSTANCES,
     return {"prompt_tokens": total, "oracle": oracle, "round_robin": rr}
 
 
-def machine_busy() -> tuple[float, float]:
-    """(CPU-seconds the machine's CPUs were busy so far, CPU-seconds elapsed), from
-    /proc/stat: their difference over a replay says how near the 2 cores were to full."""
-    with open("/proc/stat", encoding="ascii") as fh:
-        ticks = [int(v) for v in fh.readline().split()[1:]]
-    idle = ticks[3] + ticks[4]
-    tck = os.sysconf("SC_CLK_TCK")
-    return (sum(ticks) - idle) / tck, sum(ticks) / tck
-
-
 #: The request line's per-stage timings (``serving/context.py``) ``stages`` reads.
 STAGES = ("first_byte_ms", "prefill_ms", "decode_first_byte_ms")
 
@@ -245,8 +235,7 @@ def run(args: Any, workdir: Path, sims: dict[str, list[str]], events: dict[str, 
                 roster.write_text(fleet.roster_text(sims["prefill"], sims["decode"], [], variant,
                                                     events))
                 if variant.kind == "epd":
-                    urls = fleet.start_epd(runners, variant, roster,
-                                           getattr(args, "proxy_log_level", "info"))
+                    urls = fleet.start_epd(runners, variant, roster, args.proxy_log_level)
                 else:
                     urls, _ = fleet.start_router(runners, args.router, variant, sims["prefill"],
                                                  sims["decode"], [], events)
@@ -254,11 +243,12 @@ def run(args: Any, workdir: Path, sims: dict[str, list[str]], events: dict[str, 
                 for url in sims["prefill"] + sims["decode"]:
                     fleet.post(url, "/sim/reset")
                 roots = [p.pid for p in runners.procs]
-                cpu_before, busy_before = procstat.sample(roots).cpu_s, machine_busy()
+                cpu_before, busy_before = procstat.sample(roots).cpu_s, procstat.machine_busy()
                 result = fleet.replay(urls, trace, TIMEOUT,
                                       {"mooncake": {"model": MODEL, "max_tokens": MAX_TOKENS}})
                 cpu = procstat.sample(roots).cpu_s - cpu_before
-                busy, wall = (a - b for a, b in zip(machine_busy(), busy_before, strict=True))
+                busy, wall = (a - b for a, b in zip(procstat.machine_busy(), busy_before,
+                                                    strict=True))
                 row = summarize(variant, result, [fleet.stats(u) for u in
                                                   sims["prefill"] + sims["decode"]],
                                 work["oracle"])
@@ -272,7 +262,7 @@ def run(args: Any, workdir: Path, sims: dict[str, list[str]], events: dict[str, 
               f"target's processes {row['target_cpu_s']} CPU-s, the machine "
               f"{row['machine_busy']:.0%} busy during the replay (logs in {workdir})",
               file=sys.stderr, flush=True)
-        if variant.kind == "epd" and getattr(args, "proxy_log_level", "info") == "info":
+        if variant.kind == "epd" and args.proxy_log_level == "info":
             found = stages([workdir / f"epd-{url.rsplit(':', 1)[1]}.log" for url in urls])
             print(f"trace {row['target']}: p50/p90 ms: " + ", ".join(
                 f"{k} {a:.0f}/{b:.0f}" for k, (a, b) in found.items()), file=sys.stderr,
