@@ -69,7 +69,7 @@ def build_services(config: ProxyConfig, roster: Roster, generation: int = 0, *,
     # (routing's load, admission's bounds).
     board = LoadBoard(config.state_dir)
     # The other proxy hosts' open calls, with a load store (docs/behaviour.md#routing-policies).
-    share = LoadShare(board, host_name(config.state_dir), events)
+    share = LoadShare(board, host_name(config.state_dir), events, config.state_dir)
     live = LiveFleet(roster, generation,
                      Registry(roster.instances, settings.fail_threshold, settings.evicted_ttl,
                               events=events, board=board, share=share))

@@ -41,6 +41,10 @@ LOAD_PREFIX = "load-"
 LOAD_SUFFIX = ".bin"
 #: The host's rate-limit counters when no shared store answers (serving/ratelimit.py).
 RATE_FILE = "ratelimit.bin"
+#: The load store's exchange (fleet/loadshare.py): the lock its exchanging worker holds, and
+#: the other hosts' counts as that worker last read them, for its siblings.
+SHARE_LOCK_FILE = "loadshare.lock"
+SHARE_FILE = "loadshare.bin"
 LOCK_TIMEOUT = 5.0
 LOCK_POLL = 0.01
 
@@ -59,14 +63,16 @@ _open_locks: set[int] = set()
 _fork_guard = threading.Lock()
 
 
-def _open_lock(path: Path) -> int:
+def open_lock(path: Path) -> int:
+    """A lock file's descriptor, closed in a forked child before it runs anything else."""
     with _fork_guard:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         _open_locks.add(fd)
     return fd
 
 
-def _close_lock(fd: int) -> None:
+def close_lock(fd: int) -> None:
+    """Close a descriptor from ``open_lock`` (which releases its ``flock``)."""
     with _fork_guard:
         _open_locks.discard(fd)
         os.close(fd)
@@ -111,7 +117,7 @@ class StateDir:
         keep serving its streams while another process holds the lock (``time.sleep`` is
         patched there).
         """
-        fd = _open_lock(self.path / LOCK_FILE)
+        fd = open_lock(self.path / LOCK_FILE)
         try:
             deadline = time.monotonic() + timeout
             while True:
@@ -127,7 +133,7 @@ class StateDir:
                     time.sleep(LOCK_POLL)
             yield
         finally:
-            _close_lock(fd)  # closing releases the lock
+            close_lock(fd)  # closing releases the lock
 
     # -- the published roster ------------------------------------------------------------
 

@@ -120,8 +120,9 @@ class Events:
     admission_tokens: EventHook[[str, int]]
     #: Whether the shared rate-limit store answered its latest call (None: no store).
     admission_store: EventHook[[bool | None]]
-    #: Whether the store where proxy hosts share their open calls answered this worker's
-    #: latest exchange (None: no store; docs/behaviour.md#routing-policies).
+    #: Whether the store where proxy hosts share their open calls answered the host's latest
+    #: exchange, this worker's or its exchanging sibling's (None: no store;
+    #: docs/behaviour.md#routing-policies).
     load_store: EventHook[[bool | None]]
 
     def __init__(self) -> None:

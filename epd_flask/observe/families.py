@@ -287,7 +287,7 @@ class Families:
             "in-band error, or a 503) because they outlived its grace period.", registry=r)
         self.load_store_up = UpGauge(
             "epd_load_store_up", "1 while the store where proxy hosts share their open calls "
-            "(load_store) answered this worker's latest exchange, 0 while routing counts the "
+            "(load_store) answered the host's latest exchange, 0 while routing counts the "
             "other hosts through the engines' queues alone (the lowest of the live workers).",
             r)
         self.reloads = ReloadsCollector(state)

@@ -11,6 +11,7 @@ import logging
 import gevent
 import requests
 
+from epd_flask.upstream import redisclient
 from epd_flask.web.services import services
 from tests.bodies import completion
 from tests.fakes import response
@@ -89,7 +90,8 @@ def test_another_host_calls_are_seen_through_the_load_store_and_redis_down_route
         sim, proxy, tmp_path, redis_server, caplog) -> None:
     """Two hosts (two state directories) sharing ``load_store``, neither reading any engine:
     host B sees host A's open calls on `busy` in its snapshot and sends its own elsewhere;
-    with Redis stopped, B routes on without it (docs/behaviour.md#routing-policies 2)."""
+    with Redis stopped, B routes on without it (docs/behaviour.md#routing-policies 2). Host B
+    has two workers: one talks to Redis, the other reads its snapshot."""
     slow = {"prefill_tokens_per_s": 2000.0, "max_model_len": 4096}
     busy, idle, d = sim("prefill", **slow), sim("prefill", **slow), sim("decode", **slow)
     shared = {"probe_interval": 0.1, "engine_metrics_interval": 0,
@@ -99,11 +101,22 @@ def test_another_host_calls_are_seen_through_the_load_store_and_redis_down_route
     host_a = proxy(roster([busy], [d], **shared), probes=True, state_dir=str(tmp_path / "a"))
     host_b = proxy(roster([busy, idle], [d], routing={"prefill": "least_loaded"}, **shared),
                    probes=True, state_dir=str(tmp_path / "b"))
+    sibling = proxy(roster([busy, idle], [d], **shared), probes=True,
+                    state_dir=str(tmp_path / "b"))
     share_b = services(host_b.app).live.registry.share
-    assert share_b is not None and share_b.host != services(host_a.app).live.registry.share.host
+    share_b2 = services(sibling.app).live.registry.share
+    share_a = services(host_a.app).live.registry.share
+    assert share_a is not None and share_b is not None and share_b.host != share_a.host
+    assert share_b2 is not None and share_b2.host == share_b.host
+    eventually(lambda: share_b.leading != share_b2.leading, what="one of host B's workers "
+               "exchanging")
     sent = [gevent.spawn(_post, host_a.url, f"{i} {LONG}") for i in range(4)]
     eventually(lambda: busy.state.engine_gauges()[1] >= 2, what="host A's prefills queued")
     eventually(lambda: share_b.counts(busy.url)[0] >= 2, what="host B heard host A's calls")
+    assert share_b2.counts(busy.url) == share_b.counts(busy.url)
+    asker = redisclient.connect(redis_server.url)
+    assert len(asker.client_list()) == 3  # host A's, host B's (one of two workers), this one
+    asker.close()
     assert share_b.counts(busy.url)[1] > 1000  # with their estimated prompt tokens
     assert share_b.counts(idle.url) == (0, 0)
     for i in range(6):
@@ -116,14 +129,15 @@ def test_another_host_calls_are_seen_through_the_load_store_and_redis_down_route
 
     redis_server.stop()
     with caplog.at_level(logging.WARNING, logger="epd_flask.fleet.loadshare"):
-        eventually(lambda: share_b.up is False, what="host B's exchange failed")
+        eventually(lambda: not (share_a.up or share_b.up or share_b2.up),
+                   what="every host's exchange failed")
         answers = [_post(host_b.url, f"c{i} short") for i in range(4)]
     assert all(a.status_code == 200 for a in answers)
     assert share_b.counts(busy.url) == (0, 0)
     assert sample(scrape(host_b.url), "epd_load_store_up") == 0
     warnings = [r for r in caplog.records if "does not answer" in r.getMessage()
                 and r.name == "epd_flask.fleet.loadshare"]
-    assert 1 <= len(warnings) <= 2, "one per host, not one per exchange or request"
+    assert len(warnings) == 2, "one per host, not one per worker, exchange or request"
 
 
 def test_a_failing_metrics_page_keeps_the_last_values_and_warns_once(fake, sim, proxy,

@@ -1,7 +1,9 @@
 """The load store's pieces (docs/behaviour.md#routing-policies 2): what a host sends and how the
 other hosts' counts are read and summed, which host is which, and the exchange with a real
 Redis: a host's counts heard by the others but not by itself, a host that stops sending
-forgotten when its key expires, a store that stops answering counting for nothing."""
+forgotten when its key expires, a store that stops answering counting for nothing; and one
+worker per host (state directory) exchanging while its siblings read its snapshot, a sibling
+taking over when it stops."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from epd_flask.fleet import loadshare
 from epd_flask.fleet.loadboard import CALLS, TOKENS, LoadBoard
 from epd_flask.fleet.loadshare import LoadShare, decode, encode, host_counts, host_name, others
 from epd_flask.fleet.registry import Registry
+from epd_flask.upstream import redisclient
 from tests.helpers import eventually
 
 P1, P2, P3 = (f"http://10.0.0.{i}:8000" for i in (1, 2, 3))
@@ -135,3 +138,136 @@ def test_routing_counts_this_host_and_the_other_hosts_it_heard_of(redis_server) 
         share.exchange()
         assert registry.host(P1) == (1, 100)
         assert registry.proxies(P1) == (3, 3100)
+
+
+def store_clients(url: str) -> int:
+    """The connections the Redis at ``url`` has open, besides the one asking."""
+    client = redisclient.connect(url)
+    try:
+        return len(client.client_list()) - 1
+    finally:
+        client.close()
+
+
+def ticks(*shares: LoadShare, rounds: int = 3) -> None:
+    for _ in range(rounds):
+        for share in shares:
+            share.tick()
+
+
+def test_one_worker_per_host_talks_to_the_store_and_its_sibling_reads_its_snapshot(
+        redis_server, tmp_path: Path) -> None:
+    # Host A: two workers of one master (one state directory, the same host sum); host B
+    # alone, without a state directory.
+    host_a = {P1: (2, 3000)}
+    w1 = LoadShare(board_with(host_a), "host-a", state_dir=tmp_path)
+    w2 = LoadShare(board_with(host_a), "host-a", state_dir=tmp_path)
+    board_b = board_with({P2: (1, 40)})
+    b = LoadShare(board_b, "host-b")
+    with exchanging(redis_server.url, [P1, P2], w1, w2, b):
+        ticks(w1, w2, b)
+        assert w1.leading and not w2.leading
+        assert store_clients(redis_server.url) == 2  # w1 and host B, not w2
+        assert w1.counts(P2) == w2.counts(P2) == (1, 40)
+        assert w1.counts(P1) == w2.counts(P1) == (0, 0)  # its own host's are not others'
+        assert b.counts(P1) == (2, 3000)
+        assert w2.up is True
+        board_b.add(P2, 1, CALLS)
+        b.tick()
+        w1.tick()
+        assert w2.counts(P2) == (2, 40)  # read when routing asks, no tick of its own needed
+
+        # The exchanging worker dies (its lock released with it): the sibling takes over at
+        # its next tick, and host A's counts keep reaching host B.
+        w1.stop()
+        w2.tick()
+        assert w2.leading
+        eventually(lambda: store_clients(redis_server.url) == 2, what="w1's connection gone")
+        board_b.add(P2, 1, CALLS)
+        ticks(b, w2, rounds=1)
+        assert w2.counts(P2) == (3, 40)
+        assert (b.tick(), b.counts(P1))[1] == (2, 3000)
+
+        # A worker left without a store lets a sibling with one exchange (mid-reload).
+        w3 = LoadShare(board_with(host_a), "host-a", state_dir=tmp_path)
+        w3.follow(lambda: [P1, P2])
+        w3.configure(redis_server.url)
+        try:
+            w3.tick()
+            assert not w3.leading and w3.counts(P2) == (3, 40)
+            w2.configure("")
+            w3.tick()
+            assert w3.leading and w3.counts(P2) == (3, 40)
+        finally:
+            w3.stop()
+
+
+def test_a_stalled_exchanging_worker_counts_for_nothing_and_another_store_is_ignored(
+        redis_server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    w1 = LoadShare(LoadBoard(None), "host-a", state_dir=tmp_path)
+    w2 = LoadShare(LoadBoard(None), "host-a", state_dir=tmp_path)
+    b = LoadShare(board_with({P2: (1, 40)}), "host-b")
+    with exchanging(redis_server.url, [P2], w1, w2, b):
+        ticks(b, w1, w2)
+        assert w2.counts(P2) == (1, 40)
+        # A sibling configured for another store (mid-reload) does not use the snapshot, nor
+        # does it take over while the exchanging worker lives.
+        w2.configure("redis://127.0.0.1:1/0")
+        ticks(w1, w2)
+        assert not w2.leading and w2.counts(P2) == (0, 0)
+        assert store_clients(redis_server.url) == 2
+        w2.configure(redis_server.url)
+        w2.tick()
+        assert w2.counts(P2) == (1, 40)
+        # The exchanging worker stalls, holding the lock: its last read counts for nothing
+        # after STALE (0.2 s here), for it and its sibling alike.
+        monkeypatch.setattr(loadshare, "STALE", 0.2)
+        eventually(lambda: (w2.tick(), w2.counts(P2))[1] == (0, 0), 5,
+                   what="the stalled worker's snapshot gone stale")
+        assert w1.counts(P2) == (0, 0) and not w2.leading
+        w1.tick()
+        assert w2.counts(P2) == (1, 40)
+
+
+def test_only_the_exchanging_worker_logs_the_store_going_down_and_its_sibling_reports_it(
+        redis_server, tmp_path: Path, caplog) -> None:
+    heard: list[bool | None] = []
+    events = Events()
+    events.load_store.add_listener(heard.append)
+    a = LoadShare(board_with({P1: (2, 3000)}), "host-a")
+    w1 = LoadShare(LoadBoard(None), "host-b", state_dir=tmp_path)
+    w2 = LoadShare(LoadBoard(None), "host-b", events, state_dir=tmp_path)
+    with exchanging(redis_server.url, [P1], a, w1, w2):
+        ticks(a, w1, w2)
+        assert w2.counts(P1) == (2, 3000) and w2.up is True
+        redis_server.stop()
+        with caplog.at_level(logging.INFO, logger="epd_flask.fleet.loadshare"):
+            w1.tick()
+            w2.tick()
+            assert w1.up is False and w2.up is False and w2.counts(P1) == (0, 0)
+            w1._retry_at = 0.0  # the next exchange at once, not a second later
+            w1.tick()
+            w1.stop()  # the sibling takes over during the outage: no second warning
+            w2.tick()
+            assert w2.leading and w2.up is False
+            redis_server.start()
+            w2._retry_at = 0.0
+            w2.tick()
+            assert w2.up is True
+        assert [r.getMessage().split(" (")[0].split(";")[0] for r in caplog.records
+                if r.levelno >= logging.INFO] == [
+            f"routing: the load store {redis_server.url} does not answer",
+            f"routing: the load store {redis_server.url} answers again"]
+        assert heard == [True, False, True]
+
+
+def test_a_worker_that_cannot_share_the_exchange_makes_it_itself(redis_server, tmp_path: Path,
+                                                                 caplog) -> None:
+    a = LoadShare(board_with({P1: (2, 3000)}), "host-a")
+    lone = LoadShare(LoadBoard(None), "host-b", state_dir=tmp_path / "missing")
+    with exchanging(redis_server.url, [P1], a, lone), \
+            caplog.at_level(logging.WARNING, logger="epd_flask.fleet.loadshare"):
+        ticks(a, lone)
+        assert lone.counts(P1) == (2, 3000) and not lone.leading
+        assert ["cannot share the load store's exchange" in r.getMessage()
+                for r in caplog.records] == [True]
