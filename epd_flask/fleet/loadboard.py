@@ -14,7 +14,8 @@ in-process tests); a file whose worker died is skipped from the next refresh on 
 gone) and removed by the master when it reaps the worker, or by the worker when it stops.
 
 A file: a header (magic, a layout generation, slots used), then slots of (key, one count per
-field: ``RUNNING``, ``CALLS``, ``TOKENS``, ``UNANSWERED``'s two), the key being the first 8
+field: ``RUNNING``, ``CALLS``, ``TOKENS``, ``UNANSWERED``'s, ``UNANSWERED_CALLS``' and
+``UNANSWERED_SINCE``'s two each), the key being the first 8
 bytes of blake2b of the instance's URL. Slots are appended; a full file is compacted (slots
 whose counts are all 0 dropped) under a new generation, which tells readers to index it again.
 """
@@ -35,15 +36,19 @@ from epd_flask.control.statedir import LOAD_PREFIX, LOAD_SUFFIX, running
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"EPDLOAD3"
+MAGIC = b"EPDLOAD4"
 HEADER = struct.Struct("<8sQQ")  # magic, generation, slots used
 #: The counts of a slot: the requests admission let run there; the upstream calls open there;
 #: the estimated prompt tokens of those calls; and per class better than the worst (``high``,
 #: ``normal``), the estimated prompt tokens of that class's requests routed there whose answer
-#: has not begun (docs/behaviour.md#admission, rule 14).
+#: has not begun (docs/behaviour.md#admission, rule 14), how many those requests are, and the
+#: sum of the times they were routed (``routed_ms``), which tells how long the engine has been
+#: at them.
 RUNNING, CALLS, TOKENS = 0, 1, 2
 UNANSWERED = (3, 4)
-FIELDS = 5
+UNANSWERED_CALLS = (5, 6)
+UNANSWERED_SINCE = (7, 8)
+FIELDS = 9
 SLOT = struct.Struct(f"<Q{FIELDS}q")  # key, counts
 COUNTS = struct.Struct(f"<{FIELDS}q")
 COUNT = struct.Struct("<q")
@@ -63,6 +68,12 @@ CHANGED_SECONDS = 0.05
 RECENT_NS = 200_000_000
 
 _apps = itertools.count()
+
+
+def routed_ms() -> int:
+    """Now in whole milliseconds of ``CLOCK_MONOTONIC``, which every process of a machine
+    shares, so sibling workers' routing times add up and compare."""
+    return time.monotonic_ns() // 1_000_000
 
 
 def key_of(url: str) -> int:
@@ -154,7 +165,8 @@ class LoadBoard:
     def add(self, url: str, delta: int, field: int = RUNNING) -> None:
         """A request of this worker started (+1) or stopped (-1) running on ``url``; with
         ``field``, a call opened or closed there (``CALLS``), its tokens (``TOKENS``), or a
-        class's unanswered prompt tokens (``UNANSWERED``)."""
+        class's unanswered prompt tokens (``UNANSWERED``), requests (``UNANSWERED_CALLS``) or
+        their routing times (``UNANSWERED_SINCE``)."""
         values = self._own.get(url)
         if values is None:
             if delta <= 0:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from epd_flask.control.roster import ADMITTED_ROLES, Instance, admits
 from epd_flask.fleet.live import FleetView, LiveFleet
-from epd_flask.fleet.loadboard import UNANSWERED, LoadBoard
+from epd_flask.fleet.loadboard import UNANSWERED, UNANSWERED_CALLS, UNANSWERED_SINCE, LoadBoard
 from epd_flask.fleet.policies import Placement, RouteRequest
 from epd_flask.fleet.registry import InstanceState
 from epd_flask.fleet.routing import ENGINE_MAX_AGE
@@ -34,6 +34,10 @@ from epd_flask.fleet.routing import ENGINE_MAX_AGE
 #: batch or its KV cache is full), and from there each request sent waits first come, first
 #: served behind the others, whatever its tenant.
 ENGINE_WAITING_FULL = 4
+
+#: Unanswered prompt tokens within this factor of the fewest count as as many: an estimate of
+#: UTF-8 bytes / 4 is off by more than that between two texts of one length in tokens.
+AS_MANY = 1.25
 
 #: An instance's engine queue as this worker knows it (None: not known).
 Waiting = Callable[[InstanceState], int | None]
@@ -130,21 +134,32 @@ class Capacity:
         found = [c for c in found if not full(c.instance, keep)] or found
         return self.apart(found, request.rank) if request.rank is not None else found
 
-    def unanswered(self, url: str, rank: int) -> int:
+    def unanswered(self, url: str, rank: int) -> tuple[int, float]:
         """The estimated prompt tokens of this host's requests of class ``rank`` or better
-        routed to ``url`` whose answer has not begun."""
+        routed to ``url`` whose answer has not begun, and the mean time (ms) they were routed
+        (0 when there are none)."""
         counts = self.board.counts(url)
-        return sum(counts[field] for field in UNANSWERED[:rank + 1])
+        tokens = sum(counts[field] for field in UNANSWERED[:rank + 1])
+        calls = sum(counts[field] for field in UNANSWERED_CALLS[:rank + 1])
+        since = sum(counts[field] for field in UNANSWERED_SINCE[:rank + 1])
+        return tokens, since / calls if calls else 0.0
 
     def apart(self, found: list[Placement], rank: int) -> list[Placement]:
         """Those of ``found`` with the fewest unanswered prompt tokens of class ``rank`` or
         better: an engine that computes better classes first (vLLM's priority scheduling)
         makes a request wait for those prompts only, which a policy's load (every call,
         whatever its class) does not show. Two interactive requests a few milliseconds
-        apart then go to two engines instead of one waiting for the other's prefill
-        (docs/behaviour.md#admission, rule 14)."""
+        apart then go to two engines instead of one waiting for the other's prefill.
+        Engines with prompts waiting differ in how far they are through them: the estimates
+        (UTF-8 bytes / 4) are no finer than ``AS_MANY``, so among those within it of the
+        fewest, those whose unanswered requests were routed earliest on average, where the
+        newcomer's prefill starts first (docs/behaviour.md#admission, rule 14)."""
         if len(found) < 2 or rank >= len(UNANSWERED):
             return found
         ahead = {c.url: self.unanswered(c.url, rank) for c in found}
-        least = min(ahead.values())
-        return [c for c in found if ahead[c.url] == least]
+        least = min(tokens for tokens, _ in ahead.values())
+        if least == 0:
+            return [c for c in found if ahead[c.url][0] == 0]
+        found = [c for c in found if ahead[c.url][0] <= least * AS_MANY]
+        earliest = min(ahead[c.url][1] for c in found)
+        return [c for c in found if ahead[c.url][1] == earliest]

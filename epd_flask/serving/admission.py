@@ -36,7 +36,7 @@ from epd_flask.control.roster import Admission as AdmissionSettings
 from epd_flask.core.errors import ClientDisconnected, Overloaded, ProxyError, RateLimited
 from epd_flask.core.events import Events
 from epd_flask.fleet.live import LiveFleet
-from epd_flask.fleet.loadboard import UNANSWERED
+from epd_flask.fleet.loadboard import UNANSWERED, UNANSWERED_CALLS, UNANSWERED_SINCE, routed_ms
 from epd_flask.fleet.saturation import Capacity
 from epd_flask.serving import fields, ratelimit, usage
 from epd_flask.serving.context import RequestContext
@@ -146,7 +146,8 @@ class Ticket:
         #: Its class when routing keeps it apart from better-or-equal classes' unanswered
         #: prompts (and counts its own where it goes until its answer begins), else None.
         self.apart: int | None = None
-        self.unanswered: set[str] = set()
+        #: Where it counts as unanswered, and the time it was routed there (ms).
+        self.unanswered: dict[str, int] = {}
         self.settled = False
         self.used: int | None = None
 
@@ -166,8 +167,11 @@ class Ticket:
             self.ran = True
             self.gate.capacity.board.add(url, 1)
         if self.apart is not None and url not in self.unanswered:
-            self.unanswered.add(url)
-            self.gate.capacity.board.add(url, max(1, self.prompt), UNANSWERED[self.apart])
+            board, rank, at = self.gate.capacity.board, self.apart, routed_ms()
+            self.unanswered[url] = at
+            board.add(url, max(1, self.prompt), UNANSWERED[rank])
+            board.add(url, 1, UNANSWERED_CALLS[rank])
+            board.add(url, at, UNANSWERED_SINCE[rank])
 
     def answering(self) -> None:
         """Decode's answer began: the prompt is computed, nothing of this request is ahead
@@ -255,9 +259,11 @@ class Ticket:
 
     def _release_unanswered(self) -> None:
         assert self.apart is not None
-        board, field, weight = self.gate.capacity.board, UNANSWERED[self.apart], max(1, self.prompt)
-        for url in self.unanswered:
-            board.add(url, -weight, field)
+        board, rank, weight = self.gate.capacity.board, self.apart, max(1, self.prompt)
+        for url, at in self.unanswered.items():
+            board.add(url, -weight, UNANSWERED[rank])
+            board.add(url, -1, UNANSWERED_CALLS[rank])
+            board.add(url, -at, UNANSWERED_SINCE[rank])
         self.unanswered.clear()
 
 

@@ -342,3 +342,27 @@ def test_a_better_class_goes_where_none_of_its_prompts_is_unanswered(
         assert went["chat second"] == went["chat first"], "round-robin's turn"
     assert [g.get(timeout=30).status_code for g in sent] == [200, 200, 200]
     assert [unanswered(px, s) for s in servers] == [0, 0], "an answered prompt is not ahead"
+
+
+def test_between_engines_as_far_behind_a_better_class_goes_where_its_prompts_began_first(
+        sim, proxy) -> None:
+    """Two engines each computing one ``high`` prompt not yet answered: the next ``high``
+    request goes to the engine whose prompt was routed first (it is done sooner there), even
+    where round-robin's turn (moved on by a ``low`` request) is the other's."""
+    servers = [sim("prefill_decode", ttft=1.0, output_tokens=2) for _ in range(2)]
+    doc = roster(combined=servers, routing={"decode": "round_robin"},
+                 admission={**ADMISSION, "forward_priority": True})
+    doc["tenants"] = TENANTS
+    px = proxy(doc)
+    sent = []
+    for tenant, content in [("chat", "chat A"), ("batch", "batch"), ("chat", "chat B")]:
+        sent.append(gevent.spawn(post, px, tenant, content))
+        eventually(lambda c=content: c in where_each_went(servers), what=f"{content} sent")
+        gevent.sleep(0.01)  # routed in another millisecond than the next
+    went = where_each_went(servers)
+    assert went["batch"] == went["chat B"] != went["chat A"], \
+        "kept apart from chat A; round-robin's next turn is chat B's engine"
+    sent.append(gevent.spawn(post, px, "chat", "chat C"))
+    eventually(lambda: "chat C" in where_each_went(servers), what="chat C sent")
+    assert where_each_went(servers)["chat C"] == went["chat A"], "behind the older prompt"
+    assert [g.get(timeout=30).status_code for g in sent] == [200] * 4

@@ -51,12 +51,19 @@ def test_open_calls_and_their_tokens_are_counted_apart_from_running_requests(tmp
         two.add(A, 1, loadboard.CALLS)
         two.add(A, 50, loadboard.TOKENS)
         one.add(A, 1500, loadboard.UNANSWERED[0])  # a high request's prompt, not answered
-        assert one.counts(A) == two.counts(A) == (1, 2, 750, 1500, 0)
+        one.add(A, 1, loadboard.UNANSWERED_CALLS[0])
+        one.add(A, 9_000, loadboard.UNANSWERED_SINCE[0])  # routed at 9 s
+        two.add(A, 1, loadboard.UNANSWERED_CALLS[0])
+        two.add(A, 11_000, loadboard.UNANSWERED_SINCE[0])  # and one at 11 s
+        assert one.counts(A) == two.counts(A) == (1, 2, 750, 1500, 0, 2, 0, 20_000, 0)
         assert two.count(A) == 1 and two.count(A, loadboard.CALLS) == 2
         one.add(A, -1, loadboard.CALLS)
         one.add(A, -700, loadboard.TOKENS)
         one.add(A, -1500, loadboard.UNANSWERED[0])
-        assert two.counts(A) == (1, 1, 50, 0, 0) and one.own(A, loadboard.TOKENS) == 0
+        one.add(A, -1, loadboard.UNANSWERED_CALLS[0])
+        one.add(A, -9_000, loadboard.UNANSWERED_SINCE[0])
+        assert two.counts(A) == (1, 1, 50, 0, 0, 1, 0, 11_000, 0)
+        assert one.own(A, loadboard.TOKENS) == 0
     finally:
         one.stop()
         two.stop()
@@ -178,3 +185,37 @@ def test_a_request_that_leaves_a_reserve_routes_where_more_is_free() -> None:
     assert not capacity.room("prefill_decode", None, reserved=2, keep=1)
     assert capacity.room("prefill_decode", None, reserved=2)
     assert [c.url for c in capacity.roomy("prefill_decode", RouteRequest(), found)] == [A, B]
+
+
+def unanswered(board: LoadBoard, url: str, tokens: int, routed_at_ms: int, rank: int = 0) -> None:
+    board.add(url, tokens, loadboard.UNANSWERED[rank])
+    board.add(url, 1, loadboard.UNANSWERED_CALLS[rank])
+    board.add(url, routed_at_ms, loadboard.UNANSWERED_SINCE[rank])
+
+
+def test_a_better_class_goes_where_its_prompts_ahead_are_fewest_then_oldest() -> None:
+    """Rule 14: an engine with none of the class's prompts unanswered first; among engines
+    with about as many (estimates within ``AS_MANY`` of the fewest), the one whose were
+    routed earliest; clearly fewer tokens win whatever their age."""
+    live = fleet(max_concurrency=8)
+    board = LoadBoard(None)
+    capacity = Capacity(live, board)
+    found = LiveInstances(live).candidates("prefill_decode", None, None)
+    high, normal = RouteRequest(rank=0), RouteRequest(rank=1)
+
+    def chosen(request: RouteRequest) -> list[str]:
+        return [c.url for c in capacity.roomy("prefill_decode", request, found)]
+    unanswered(board, A, 1500, 10_000)
+    assert chosen(high) == [B], "none ahead on B"
+    unanswered(board, B, 1400, 10_050)  # a little fewer tokens, routed 50 ms later
+    assert chosen(high) == [A], "about as many ahead: A has been at its prompt longer"
+    unanswered(board, B, 1, 10_050, rank=1)  # a normal prompt does not hold a high one
+    assert chosen(high) == [A]
+    assert chosen(normal) == [A], "a normal request waits for both classes"
+    unanswered(board, A, 1500, 10_060)  # now twice as many on A
+    assert chosen(high) == [B]
+    board.add(B, -1400, loadboard.UNANSWERED[0])
+    board.add(B, -1, loadboard.UNANSWERED_CALLS[0])
+    board.add(B, -10_050, loadboard.UNANSWERED_SINCE[0])  # B's high prompt answered
+    assert chosen(high) == [B]
+    assert chosen(RouteRequest()) == [A, B], "a request of the worst class: the policy alone"
