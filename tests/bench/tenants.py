@@ -299,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="admission.reserve in the classes target")
     p.add_argument("--targets", default=",".join(TARGETS),
                    help="which of the loaded targets run (chat alone always does)")
+    p.add_argument("--logs", type=Path, default=None,
+                   help="keep the processes' logs (the proxies' request lines) in this new "
+                   "directory instead of a temporary one")
     p.add_argument("--report", type=Path, default=None,
                    help="the page whose tenants block the run replaces (default: "
                    "docs/benchmarks.md for a whole run; none when --duration, --targets, "
@@ -314,8 +317,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.router} not found; running without vllm-router", file=sys.stderr)
         args.router = ""
     meta = {"started": report.now(), **report.machine()}
-    with tempfile.TemporaryDirectory(prefix="epd-bench-tenants-") as tmp:
-        rows, capacity = measure(args, Path(tmp))
+    if args.logs is not None:
+        args.logs.mkdir(parents=True)
+        rows, capacity = measure(args, args.logs)
+    else:
+        with tempfile.TemporaryDirectory(prefix="epd-bench-tenants-") as tmp:
+            rows, capacity = measure(args, Path(tmp))
     text = render(rows, capacity, meta)
     print(text)
     if args.report:
