@@ -16,6 +16,7 @@ import errno
 import fcntl
 import json
 import logging
+import mmap
 import os
 import tempfile
 import threading
@@ -76,6 +77,15 @@ def close_lock(fd: int) -> None:
     with _fork_guard:
         _open_locks.discard(fd)
         os.close(fd)
+
+
+def map_shared(fd: int, size: int) -> mmap.mmap:
+    """The file of ``fd`` mapped read-write at ``size`` bytes, grown to that first if shorter
+    and never shrunk: a sibling worker may have it mapped, and a read past a file's end is
+    SIGBUS."""
+    if os.fstat(fd).st_size < size:
+        os.ftruncate(fd, size)
+    return mmap.mmap(fd, size)
 
 
 def _close_locks_in_child() -> None:

@@ -32,7 +32,7 @@ import struct
 import time
 from pathlib import Path
 
-from epd_flask.control.statedir import LOAD_PREFIX, LOAD_SUFFIX, running
+from epd_flask.control.statedir import LOAD_PREFIX, LOAD_SUFFIX, map_shared, running
 
 logger = logging.getLogger(__name__)
 
@@ -140,8 +140,7 @@ class LoadBoard:
         try:
             fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             try:
-                os.ftruncate(fd, SIZE)
-                self._map = mmap.mmap(fd, SIZE)
+                self._map = map_shared(fd, SIZE)  # emptied by O_TRUNC: a fresh file
             finally:
                 os.close(fd)
         except OSError as exc:

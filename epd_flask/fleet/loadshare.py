@@ -66,7 +66,13 @@ from typing import Any
 
 import orjson
 
-from epd_flask.control.statedir import SHARE_FILE, SHARE_LOCK_FILE, close_lock, open_lock
+from epd_flask.control.statedir import (
+    SHARE_FILE,
+    SHARE_LOCK_FILE,
+    close_lock,
+    map_shared,
+    open_lock,
+)
 from epd_flask.core.events import Events
 from epd_flask.core.periodic import Periodic
 from epd_flask.fleet.loadboard import CALLS, TOKENS, LoadBoard, key_of
@@ -385,9 +391,7 @@ class LoadShare:
                 self._lock = open_lock(self._dir / SHARE_LOCK_FILE)
             fd = os.open(self._dir / SHARE_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             try:
-                if os.fstat(fd).st_size < SIZE:
-                    os.ftruncate(fd, SIZE)  # never shrunk: a sibling may have it mapped
-                self._map = mmap.mmap(fd, SIZE)
+                self._map = map_shared(fd, SIZE)
             finally:
                 os.close(fd)
         except OSError as exc:

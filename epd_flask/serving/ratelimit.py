@@ -20,7 +20,6 @@ import fcntl
 import hashlib
 import logging
 import math
-import mmap
 import os
 import struct
 import time
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Protocol
 
 from epd_flask.control.roster import Tenant
+from epd_flask.control.statedir import map_shared
 
 logger = logging.getLogger(__name__)
 
@@ -161,9 +161,7 @@ class HostStore:
     def __init__(self, path: Path) -> None:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            if os.fstat(fd).st_size < _HOST_SIZE:
-                os.ftruncate(fd, _HOST_SIZE)
-            self._map = mmap.mmap(fd, _HOST_SIZE)
+            self._map = map_shared(fd, _HOST_SIZE)
         except BaseException:
             os.close(fd)
             raise
