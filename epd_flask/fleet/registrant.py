@@ -7,6 +7,12 @@ lease of ``--ttl`` seconds and renews the lease while ``/health`` answers. After
 ``--fail-threshold`` failed checks in a row the record is withdrawn, and put back once the
 instance is healthy. SIGTERM and SIGINT withdraw it and exit 0; a registrant killed outright
 leaves a record that goes when its lease expires.
+
+A signal only marks the registrant as stopping and wakes its sleep (``signal.set_wakeup_fd``):
+the step under way (a health check, a put, a renewal) finishes first, so the withdrawal knows
+the lease that step granted and talks to etcd over a connection no interrupted call left
+half-read. (No lock or exception in the handler: one taken by the code it interrupts would
+deadlock it, one raised mid-call loses what the call did.)
 """
 
 from __future__ import annotations
@@ -14,9 +20,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import select
 import signal
 import sys
-import time
 from collections.abc import Sequence
 from typing import Any, get_args
 
@@ -30,10 +37,6 @@ from epd_flask.upstream.etcd import EtcdClient, EtcdError
 logger = logging.getLogger("epd_flask.register")
 
 HEALTH_TIMEOUT = 2.0
-
-
-class Stopped(Exception):
-    """SIGTERM or SIGINT: withdraw the record and exit."""
 
 
 def _instance_flags(parser: argparse.ArgumentParser) -> list[str]:
@@ -99,6 +102,8 @@ class Registrant:
         self.interval = interval
         self.health_url = health_url
         self.lease = 0
+        #: The signal that asked the loop to end (after its current step).
+        self.stopping: str | None = None
         self._http = urllib3.PoolManager(retries=False,
                                          timeout=urllib3.Timeout(total=HEALTH_TIMEOUT))
 
@@ -108,10 +113,12 @@ class Registrant:
         except (urllib3.exceptions.HTTPError, OSError):
             return False
 
-    def run(self) -> None:
+    def run(self, wake: int) -> None:
+        """Check and act every ``interval`` until ``stopping`` is set; a byte readable on
+        ``wake`` (the signals' wakeup pipe) ends a sleep early."""
         failures = 0
         waiting = True
-        while True:
+        while self.stopping is None:
             ok = self.healthy()
             failures = 0 if ok else failures + 1
             if waiting and ok:
@@ -131,7 +138,8 @@ class Registrant:
                         self._put()
             except EtcdError as exc:
                 logger.warning("etcd: %s; retrying", exc)
-            time.sleep(self.interval)
+            if select.select([wake], [], [], self.interval)[0]:
+                os.read(wake, 512)
 
     def _put(self) -> None:
         lease = self.client.grant(self.ttl)
@@ -169,21 +177,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                             opts.health_url or inst.url + "/health")
 
     def stop(signum: int, _frame: Any) -> None:
-        raise Stopped(signal.Signals(signum).name)
+        registrant.stopping = signal.Signals(signum).name
 
+    wake, woken = os.pipe()
+    os.set_blocking(wake, False)
+    os.set_blocking(woken, False)
+    signal.set_wakeup_fd(woken)
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    registrant.run(wake)
+    logger.info("%s: withdrawing the record and exiting", registrant.stopping)
     try:
-        registrant.run()
-    except Stopped as exc:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        logger.info("%s: withdrawing the record and exiting", exc)
-        try:
-            registrant.withdraw()
-        except EtcdError as err:
-            logger.error("could not withdraw the record (it goes when its lease expires): %s",
-                         err)
+        registrant.withdraw()
+    except EtcdError as err:
+        logger.error("could not withdraw the record (it goes when its lease expires): %s", err)
     return 0
 
 
