@@ -143,10 +143,13 @@ def start_router(fleet: Fleet, router: str, urls: list[str]) -> str:
     return url
 
 
-def replay(url: str, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def replay(url: str, items: list[dict[str, Any]], workdir: Path) -> list[dict[str, Any]]:
+    """The client's answers; what it printed on stderr is kept in ``workdir`` beside the
+    servers' logs."""
     spec = {"urls": [url], "trace": items, "timeout": TIMEOUT, "deadline": DURATION + 1}
     proc = subprocess.run([sys.executable, str(REPLAY)], input=json.dumps(spec).encode(),
                           capture_output=True, timeout=DURATION + TIMEOUT + 60)
+    (workdir / f"replay-{time.monotonic_ns()}.log").write_bytes(proc.stderr)
     if proc.returncode != 0:
         raise RuntimeError(f"replay failed: {proc.stderr.decode(errors='replace')[-2000:]}")
     return json.loads(proc.stdout)["requests"]
@@ -203,7 +206,8 @@ def measure(args: argparse.Namespace, workdir: Path) -> tuple[list[dict[str, Any
         # The fleet's batch throughput: batch alone, flooding past its seats.
         epd = start_epd(fleet, workdir, urls, admitted)
         calibration = trace(0.0, SEATS * INSTANCES, args.seed)
-        capacity = summarize("", calibration, replay(epd, calibration), None)["batch_per_s"]
+        capacity = summarize("", calibration, replay(epd, calibration, workdir),
+                             None)["batch_per_s"]
         share = capacity * WEIGHTS["batch"] / sum(WEIGHTS.values())
         flood = FLOOD * share
         print(f"batch alone: {capacity:.1f}/s; share {share:.1f}/s, flooding at {flood:.1f}/s",
@@ -211,7 +215,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> tuple[list[dict[str, Any
         reset(urls)
         alone = trace(INTERACTIVE_RATE, 0.0, args.seed + 1)
         rows.append(summarize("chat alone, epd-flask with admission", alone,
-                              replay(epd, alone), None))
+                              replay(epd, alone, workdir), None))
         load = trace(INTERACTIVE_RATE, flood, args.seed + 1)
         for key, name, admission in [
                 ("requests", "epd-flask, admission (one class, share_by requests)",
@@ -226,12 +230,13 @@ def measure(args: argparse.Namespace, workdir: Path) -> tuple[list[dict[str, Any
                 continue
             reset(urls)
             target = start_epd(fleet, workdir, urls, admission, classes=key == "classes")
-            rows.append(summarize(name, load, replay(target, load), share))
+            rows.append(summarize(name, load, replay(target, load, workdir), share))
             print(rows[-1], file=sys.stderr)
         if args.router and "router" in args.targets:
             reset(urls)
+            router = start_router(fleet, args.router, urls)
             rows.append(summarize("vllm-router, --max-concurrent-requests", load,
-                                  replay(start_router(fleet, args.router, urls), load), share))
+                                  replay(router, load, workdir), share))
             print(rows[-1], file=sys.stderr)
         return rows, capacity
     finally:
@@ -300,8 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--targets", default=",".join(TARGETS),
                    help="which of the loaded targets run (chat alone always does)")
     p.add_argument("--logs", type=Path, default=None,
-                   help="keep the processes' logs (the proxies' request lines) in this new "
-                   "directory instead of a temporary one")
+                   help="keep the processes' logs (the proxies' request lines, the client's "
+                   "stderr) in this new directory instead of a temporary one")
     p.add_argument("--report", type=Path, default=None,
                    help="the page whose tenants block the run replaces (default: "
                    "docs/benchmarks.md for a whole run; none when --duration, --targets, "
