@@ -34,6 +34,8 @@ HANG_CAP_SECONDS = 600.0
 PROBED_PATHS = ("/health", "/v1/models", "/metrics")
 #: Set in the environ of a completion that has its place in the batch (batch.py).
 SLOT = "sim.slot"
+#: The request's record in /sim/requests (None when not recorded), for what its stream adds.
+RECORD = "sim.record"
 RECORDED_RAW_BODY_CHARS = 2048
 DP_RANK_HEADER = "HTTP_X_DATA_PARALLEL_RANK"
 
@@ -153,6 +155,7 @@ class SimApp:
         except errors.SimError as exc:
             parse_error = exc
         entry = self._note(environ, path, body, raw)
+        environ[RECORD] = entry
         state = self.state
         state.count("completions")
         request_id = environ.get("HTTP_X_REQUEST_ID")
@@ -282,7 +285,8 @@ class SimApp:
             start_response(status_line(200), list(SSE_HEADERS))
             return stream.StreamBody(events, state, sock, drop_after,
                                      environ.get("sim.flush_headers"),
-                                     environ.get("HTTP_X_REQUEST_ID"), first_at=first_at)
+                                     environ.get("HTTP_X_REQUEST_ID"), first_at=first_at,
+                                     record=environ.get(RECORD))
         steps = max((len(p) for p in answer.pieces), default=0)
         if pacing.wait_until_or_gone(sock, first_at) or \
                 pacing.wait_or_gone(sock, token_delay * max(steps - 1, 0)):

@@ -79,6 +79,11 @@ class StreamBody:
     time before which nothing is sent, read again while waiting (the engine's prefill queue
     may move it later); the events' own delays follow it.
 
+    With ``record`` (the request's entry in /sim/requests), the first chunk's timing is added
+    to it: ``first_token_ms``, when the cost model put the first token, after the request
+    arrived, and ``first_token_late_ms``, how much later than that the chunk went out (the
+    sim's own lateness on a busy machine, which a bench must tell from the engine's queue).
+
     A class, not a bare generator, because the server calls ``close()`` even when it never
     started iterating (client gone before the first write), and the in-flight count must drop
     exactly once whatever happens.
@@ -88,9 +93,11 @@ class StreamBody:
         self, events: list[Event], state: SimState, sock: Any | None,
         drop_after: int | None = None, flush_headers: Callable[[], None] | None = None,
         request_id: str | None = None, first_at: Callable[[], float] | None = None,
+        record: dict[str, Any] | None = None,
     ) -> None:
         self._events = events
         self._first_at = first_at
+        self._record = record
         self._request_id = request_id
         self._state = state
         self._sock = sock
@@ -106,6 +113,11 @@ class StreamBody:
             pacing.hang_up(self._sock)
             self._finish("aborted")
             return
+        if self._first_at is not None and self._record is not None:
+            late = time.monotonic() - self._first_at()
+            planned = time.time() - late - self._record["time"]
+            self._record["first_token_ms"] = round(planned * 1000, 3)
+            self._record["first_token_late_ms"] = round(late * 1000, 3)
         for sent, (delay, payload) in enumerate(self._events):
             if self._drop_after is not None and sent >= self._drop_after:
                 pacing.hang_up(self._sock)

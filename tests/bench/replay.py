@@ -1,7 +1,9 @@
 """The fleet benchmark's client: replays a trace at its timestamps (open loop) and times
 every stream. A separate process, like loadgen.py, so its CPU is not the target's.
 
-Reads ``{"urls": [...], "trace": [...], "deadline": s, "timeout": s}`` on stdin; request i
+Reads ``{"urls": [...], "trace": [...], "deadline": s, "timeout": s}`` (and optionally
+``"start"``: the ``time.monotonic()`` the trace's zero falls on, so that several clients,
+one per tenant, replay one timeline) on stdin; request i
 goes to ``urls[i % len(urls)]`` (several URLs: a round-robin front of several proxies). The
 trace is chat items (``{"t", "session", "turn", "body"}``), or with ``"mooncake": {"model",
 "max_tokens"}`` rows of a Mooncake trace (``mooncaketrace.as_json``), whose text is made
@@ -63,7 +65,7 @@ def main() -> int:
     deadline = float(spec.get("deadline", 300))
     rows = spec.get("mooncake")
     path = mooncaketrace.PATH if rows else PATH
-    start = time.monotonic()
+    start = float(spec.get("start", time.monotonic()))
     jobs = []
     for i, item in enumerate(trace):
         wait = start + item["t"] - time.monotonic()

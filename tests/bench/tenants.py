@@ -10,6 +10,9 @@ load, open loop from a separate process (replay.py), for ``DURATION`` seconds:
 - ``batch``: non-streamed jobs with short prompts and long answers, Poisson at ten times its
   weighted share of the fleet (its weight over both tenants' weights, times the fleet's
   throughput measured with batch alone).
+Each tenant is its own client process, as an interactive service and a batch job are: a
+flood's own client work (its connections, the refusals it reads) never delays the times taken
+of the interactive requests.
 The engines run vLLM's ``--scheduling-policy priority`` in every target: a request without a
 ``priority`` gets 0, so only a target that sends one sees anything but first come, first served.
 Targets, each on a fresh fleet state: chat alone through epd-flask with admission (the
@@ -33,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -143,16 +147,41 @@ def start_router(fleet: Fleet, router: str, urls: list[str]) -> str:
     return url
 
 
+#: Seconds between starting the clients and the trace's zero: each has imported and waits.
+LEAD_IN = 2.0
+
+
 def replay(url: str, items: list[dict[str, Any]], workdir: Path) -> list[dict[str, Any]]:
-    """The client's answers; what it printed on stderr is kept in ``workdir`` beside the
-    servers' logs."""
-    spec = {"urls": [url], "trace": items, "timeout": TIMEOUT, "deadline": DURATION + 1}
-    proc = subprocess.run([sys.executable, str(REPLAY)], input=json.dumps(spec).encode(),
-                          capture_output=True, timeout=DURATION + TIMEOUT + 60)
-    (workdir / f"replay-{time.monotonic_ns()}.log").write_bytes(proc.stderr)
-    if proc.returncode != 0:
-        raise RuntimeError(f"replay failed: {proc.stderr.decode(errors='replace')[-2000:]}")
-    return json.loads(proc.stdout)["requests"]
+    """The answers to ``items``, in their order: one client process per tenant, all on one
+    timeline. Their answers and what they printed on stderr are kept in ``workdir`` beside
+    the servers' logs."""
+    tenants = sorted({item["tenant"] for item in items})
+    start = time.monotonic() + LEAD_IN
+    procs = {}
+    for tenant in tenants:
+        mine = [item for item in items if item["tenant"] == tenant]
+        spec = {"urls": [url], "trace": mine, "timeout": TIMEOUT, "deadline": DURATION + 1,
+                "start": start}
+        name = workdir / f"replay-{tenant}-{time.monotonic_ns()}"
+        name.with_suffix(".spec").write_text(json.dumps(spec))
+        with name.with_suffix(".spec").open("rb") as spec_file:
+            procs[tenant] = name, subprocess.Popen(
+                [sys.executable, str(REPLAY)], stdin=spec_file, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE)
+    answers: dict[str, list[dict[str, Any]]] = {}
+    failed = []
+    for tenant, (name, proc) in procs.items():
+        out, err = proc.communicate(timeout=LEAD_IN + DURATION + TIMEOUT + 60)
+        name.with_suffix(".log").write_bytes(err)
+        name.with_suffix(".json").write_bytes(out)
+        if proc.returncode != 0:
+            failed.append(f"{tenant}: {err.decode(errors='replace')[-2000:]}")
+        else:
+            answers[tenant] = json.loads(out)["requests"]
+    if failed:
+        raise RuntimeError("replay failed: " + "; ".join(failed))
+    each = {tenant: iter(rows) for tenant, rows in answers.items()}
+    return [next(each[item["tenant"]]) for item in items]
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -186,6 +215,25 @@ def summarize(name: str, items: list[dict[str, Any]], done: list[dict[str, Any]]
             "errors": sorted({r.get("error", "")[:100] for r in done if not r["ok"]})[:3]}
 
 
+#: Requests each engine keeps in its record (/sim/requests): a whole target's streams.
+RECORDS = 4000
+
+
+def keep_records(urls: list[str], workdir: Path, label: str) -> None:
+    """The engines' records of the streams just served (the chat's), their first token's
+    planned time and lateness among them, kept in ``workdir`` (``--logs``): what tells the
+    engines' queue from the simulators' own delays on a busy machine."""
+    for url in urls:
+        with urllib.request.urlopen(url + "/sim/requests", timeout=30) as answer:
+            records = json.loads(answer.read())
+        kept = [{k: r.get(k) for k in ("time", "status", "first_token_ms",
+                                        "first_token_late_ms")}
+                | {"request_id": r["headers"].get("x-request-id")}
+                for r in records if (r.get("body") or {}).get("stream")]
+        port = url.rsplit(":", 1)[1]
+        (workdir / f"records-{label}-{port}.json").write_text(json.dumps(kept))
+
+
 def reset(urls: list[str]) -> None:
     for url in urls:
         subprocess.run(["curl", "-s", "-X", "POST", "-H", "Content-Type: application/json",
@@ -197,7 +245,8 @@ def measure(args: argparse.Namespace, workdir: Path) -> tuple[list[dict[str, Any
     rows: list[dict[str, Any]] = []
     try:
         urls = [fleet.sim("prefill_decode", "--max-num-seqs", str(SEATS),
-                          "--scheduling-policy", "priority")[0]
+                          "--scheduling-policy", "priority",
+                          "--record-limit", str(RECORDS))[0]
                 for _ in range(INSTANCES)]
         for url in urls:
             configure(url, FIGURES)
@@ -216,6 +265,8 @@ def measure(args: argparse.Namespace, workdir: Path) -> tuple[list[dict[str, Any
         alone = trace(INTERACTIVE_RATE, 0.0, args.seed + 1)
         rows.append(summarize("chat alone, epd-flask with admission", alone,
                               replay(epd, alone, workdir), None))
+        if args.logs is not None:
+            keep_records(urls, workdir, "alone")
         load = trace(INTERACTIVE_RATE, flood, args.seed + 1)
         for key, name, admission in [
                 ("requests", "epd-flask, admission (one class, share_by requests)",
@@ -231,6 +282,8 @@ def measure(args: argparse.Namespace, workdir: Path) -> tuple[list[dict[str, Any
             reset(urls)
             target = start_epd(fleet, workdir, urls, admission, classes=key == "classes")
             rows.append(summarize(name, load, replay(target, load, workdir), share))
+            if args.logs is not None:
+                keep_records(urls, workdir, key)
             print(rows[-1], file=sys.stderr)
         if args.router and "router" in args.targets:
             reset(urls)
@@ -306,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="which of the loaded targets run (chat alone always does)")
     p.add_argument("--logs", type=Path, default=None,
                    help="keep the processes' logs (the proxies' request lines, the client's "
-                   "stderr) in this new directory instead of a temporary one")
+                   "answers and stderr) in this new directory instead of a temporary one")
     p.add_argument("--report", type=Path, default=None,
                    help="the page whose tenants block the run replaces (default: "
                    "docs/benchmarks.md for a whole run; none when --duration, --targets, "

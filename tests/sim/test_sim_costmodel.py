@@ -14,6 +14,7 @@ from tests.bodies import completion, conversation
 from tests.helpers import eventually
 
 SYSTEM = "You are a careful assistant who explains caches. " * 40  # ~500 tokens
+OTHER = "Queues form where work arrives faster than it leaves. " * 37  # as long, not shared
 
 
 def test_prefills_queue_through_one_token_budget() -> None:
@@ -110,3 +111,27 @@ def test_the_prefix_cache_evicts_least_recently_used_blocks(start_sim) -> None:
                   json=completion("z" * 4000, max_tokens=1))  # 62 blocks evict it
     _, usage = ask(sim.url, "b")
     assert usage["prompt_tokens_details"] is None
+
+
+def test_a_streams_record_says_when_the_cost_model_put_its_first_token_and_how_late_it_went(
+        start_sim) -> None:
+    """/sim/requests: a stream queued behind another's prefill has its first token planned
+    after both prompts, and the record tells that plan from the sim's own lateness."""
+    sim = start_sim(role="prefill_decode", max_model_len=4096, prefill_tokens_per_s=2000.0,
+                    token_delay=0.001)
+    ahead = gevent.spawn(ask, sim.url, "ahead")
+    eventually(lambda: sim.state.engine.backlog() > 0, what="the first prompt queued")
+    r = requests.post(sim.url + "/v1/chat/completions", timeout=10, json=conversation(
+        [{"role": "system", "content": OTHER}, {"role": "user", "content": "behind"}],
+        max_tokens=2, stream=True))
+    assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+    ahead.get(timeout=10)
+    records = requests.get(sim.url + "/sim/requests", timeout=5).json()
+    streamed = [e for e in records if e["body"].get("stream")]
+    plain = [e for e in records if not e["body"].get("stream")]
+    assert len(streamed) == 1 and len(plain) == 1
+    # ~500 uncached tokens each (no prefix shared) at 2000/s: its own 0.25 s after the
+    # other's.
+    assert 350 < streamed[0]["first_token_ms"] < 700, streamed[0]
+    assert 0 <= streamed[0]["first_token_late_ms"] < 100, streamed[0]
+    assert "first_token_ms" not in plain[0]
