@@ -117,7 +117,8 @@ def debug_worker() -> Response:
     doc = {"pid": os.getpid(), "greenlets": procstats.greenlets(),
            "rss_bytes": procstats.rss_bytes(), "tcp_connections": sum(peers.values()),
            "upstream_connections": sum(upstream.values()), "upstream": upstream,
-           "load": svc.inflight.snapshot(), "gc_frozen": gc.get_freeze_count()}
+           "load": svc.inflight.snapshot(), "gc_frozen": gc.get_freeze_count(),
+           "gc_thresholds": list(gc.get_threshold())}
     if svc.discovery is not None:  # Mooncake engines per prefill (/health shows counts)
         doc["bootstrap"] = svc.discovery.snapshot()
     if svc.admission is not None and svc.admission.enabled:

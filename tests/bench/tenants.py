@@ -69,8 +69,11 @@ WEIGHTS = {"chat": 4, "batch": 1}
 #: The tenants' classes in the ``classes`` target (one class, ``normal``, in the others).
 CLASSES = {"chat": "high", "batch": "low"}
 #: ``admission.reserve`` in the ``classes`` target: places of each engine batch leaves free
-#: while chat is active (``--reserve``; 0: the target's row is priorities alone).
-RESERVE = 2
+#: while chat is active (``--reserve``; 0: the target's row is priorities alone). A chat holds
+#: its place through its ~280 ms stream, so at 2 a second two or three are on one engine at
+#: once a few times a minute; with 2, a third found that engine full and went to the other,
+#: behind its unanswered prompt (rule 14 sees only engines with room).
+RESERVE = 3
 FLOOD = 10.0
 TIMEOUT = 60.0
 QUEUE_TIMEOUT = 10

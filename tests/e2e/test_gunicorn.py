@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import json
 import os
@@ -18,6 +19,7 @@ import pytest
 import requests
 import yaml
 
+from epd_flask.control.gunicorn_config import WORKER_GC_THRESHOLDS
 from tests.bodies import chat
 from tests.helpers import RawStream, eventually, free_port, instances
 from tests.rosters import roster
@@ -134,12 +136,14 @@ def test_plain_gunicorn_command_runs_hooks_and_probes(procs) -> None:
 def test_each_worker_freezes_what_it_loaded_at_start(procs) -> None:
     """The app, its services and their greenlets live as long as the worker: post_worker_init
     moves them out of the collector's generations, so a full collection under 500 streams no
-    longer walks them (docs/benchmarks.md#what-bounds-the-make-bench-figures)."""
+    longer walks them (docs/benchmarks.md#what-bounds-the-make-bench-figures), and sets the
+    worker's own thresholds, which make full collections rare."""
     p = procs["sim"]("prefill")
     d = procs["sim"]("decode")
     gw = procs["gunicorn"](roster([p], [d]), "-k", "gevent", env={"EPD_DEBUG_ENDPOINTS": "1"})
     doc = requests.get(gw.url + "/debug/worker", timeout=5).json()
     assert doc["gc_frozen"] > 10_000
+    assert doc["gc_thresholds"] == list(WORKER_GC_THRESHOLDS) != list(gc.get_threshold())
 
 
 def test_the_repository_config_file_reexports_the_packaged_one(procs) -> None:
