@@ -11,7 +11,6 @@ sets variables; each variable (type, default, check) is declared once in
 ``epd_flask/control/settings.py``, and a bad value stops start-up with a message naming it.
 """
 
-import gc
 import logging
 import os
 
@@ -39,15 +38,6 @@ bind = _setting("EPD_BIND")
 worker_class = "epd_flask.web.worker.GeventWorker"
 #: What ``-k gevent`` names; post_fork upgrades it to ``worker_class``.
 STOCK_GEVENT_WORKER = "gunicorn.workers.ggevent.GeventWorker"
-#: A worker's garbage-collector thresholds (gen 0, 1, 2; Python's are 700, 10, 10). Every
-#: collection stops all of the worker's requests at once, and under a flood hundreds of waiting
-#: and running requests' objects fill the generations it walks: with Python's thresholds, full
-#: collections of 25-69 ms every ~15 s and gen-1 collections up to 40 ms; with these, none over
-#: 9 ms (docs/benchmarks.md, make bench-tenants). A request's objects are freed by reference
-#: counting, not by the collector (tests/serving/test_garbage.py), so a full collection finds
-#: little: one every 1,000 gen-1 collections (minutes apart under load) is enough for the few
-#: cycles there are. Gen 1 collected every 3 gen-0 collections walks a third of what it did.
-WORKER_GC_THRESHOLDS = (700, 3, 1000)
 workers = _setting("EPD_WORKERS")
 # Concurrent client connections per worker: open streams plus idle keep-alive connections
 # from nginx (up to its upstream `keepalive` per nginx worker process). A host carries
@@ -163,19 +153,13 @@ def post_worker_init(worker):
     """Start each worker's background greenlets once gevent has patched it, and its drain
     watcher: when the worker is told to stop (SIGTERM, or an old worker of a reload), running
     streams get until shortly before ``graceful_timeout`` and are then ended with an in-band
-    error event instead of being cut when the master's SIGKILL comes. Then freezes what the
-    worker has loaded, so the garbage collector no longer walks it, and sets its thresholds
-    (``WORKER_GC_THRESHOLDS``)."""
+    error event instead of being cut when the master's SIGKILL comes. The worker then sets its
+    garbage collector up before it serves (``web/collector.py``)."""
     services = getattr(worker.wsgi, "extensions", {}).get("epd_flask")
     if services is not None:
         services.listening_on(s.getsockname() for s in worker.sockets)
         services.start()
         services.drain.watch(lambda: worker.alive, worker.cfg.graceful_timeout)
-    # What is loaded now (the app, its services, their greenlets) lives as long as the worker:
-    # out of the collector's generations, a full collection under hundreds of streams walks
-    # only what the requests made (docs/benchmarks.md#what-bounds-the-make-bench-figures).
-    gc.freeze()
-    gc.set_threshold(*WORKER_GC_THRESHOLDS)
 
 
 def child_exit(server, worker):

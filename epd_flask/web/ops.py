@@ -118,7 +118,8 @@ def debug_worker() -> Response:
            "rss_bytes": procstats.rss_bytes(), "tcp_connections": sum(peers.values()),
            "upstream_connections": sum(upstream.values()), "upstream": upstream,
            "load": svc.inflight.snapshot(), "gc_frozen": gc.get_freeze_count(),
-           "gc_thresholds": list(gc.get_threshold())}
+           "gc_thresholds": list(gc.get_threshold()),
+           "gc_collections": [g["collections"] for g in gc.get_stats()]}
     if svc.discovery is not None:  # Mooncake engines per prefill (/health shows counts)
         doc["bootstrap"] = svc.discovery.snapshot()
     if svc.admission is not None and svc.admission.enabled:

@@ -38,6 +38,7 @@ from gevent.socket import wait_write
 from gunicorn.workers.ggevent import GeventWorker as _StockGeventWorker
 
 from epd_flask.control.settings import default, read
+from epd_flask.web import collector
 
 logger = logging.getLogger(__name__)
 
@@ -370,6 +371,12 @@ class GeventWorker(_StockGeventWorker):
     def load_wsgi(self) -> None:
         super().load_wsgi()
         self.wsgi = ExpectingApp(self.wsgi, self._expecting)
+
+    def run(self) -> None:
+        """Serve, with the collector set for a flood of requests (``web/collector.py``) once
+        the app and ``post_worker_init``'s greenlets are loaded, so they are frozen with it."""
+        collector.settle()
+        super().run()
 
     def timeout_ctx(self) -> HeadDeadline:
         state = self._connections.get(gevent.getcurrent())

@@ -19,7 +19,7 @@ import pytest
 import requests
 import yaml
 
-from epd_flask.control.gunicorn_config import WORKER_GC_THRESHOLDS
+from epd_flask.web import collector
 from tests.bodies import chat
 from tests.helpers import RawStream, eventually, free_port, instances
 from tests.rosters import roster
@@ -133,17 +133,21 @@ def test_plain_gunicorn_command_runs_hooks_and_probes(procs) -> None:
     assert requests.get(gw.url + "/ready", timeout=5).status_code == 200
 
 
-def test_each_worker_freezes_what_it_loaded_at_start(procs) -> None:
-    """The app, its services and their greenlets live as long as the worker: post_worker_init
-    moves them out of the collector's generations, so a full collection under 500 streams no
-    longer walks them (docs/benchmarks.md#what-bounds-the-make-bench-figures), and sets the
-    worker's own thresholds, which make full collections rare."""
+def test_each_worker_sets_its_collector_up_at_start(procs) -> None:
+    """The app, its services and their greenlets live as long as the worker: before it serves,
+    the worker moves them out of the collector's generations, so no collection under 500
+    streams walks them again (docs/benchmarks.md#what-bounds-the-make-bench-figures), sets
+    its own thresholds, and collects the young generations on a clock, idle or not."""
     p = procs["sim"]("prefill")
     d = procs["sim"]("decode")
     gw = procs["gunicorn"](roster([p], [d]), "-k", "gevent", env={"EPD_DEBUG_ENDPOINTS": "1"})
-    doc = requests.get(gw.url + "/debug/worker", timeout=5).json()
-    assert doc["gc_frozen"] > 10_000
-    assert doc["gc_thresholds"] == list(WORKER_GC_THRESHOLDS) != list(gc.get_threshold())
+    before = requests.get(gw.url + "/debug/worker", timeout=5).json()
+    assert before["gc_frozen"] > 10_000
+    assert before["gc_thresholds"] == list(collector.THRESHOLDS) != list(gc.get_threshold())
+    time.sleep(10 * collector.YOUNG_EVERY)
+    after = requests.get(gw.url + "/debug/worker", timeout=5).json()
+    assert after["pid"] == before["pid"]
+    assert after["gc_collections"][1] - before["gc_collections"][1] >= 3
 
 
 def test_the_repository_config_file_reexports_the_packaged_one(procs) -> None:
