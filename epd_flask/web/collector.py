@@ -12,8 +12,9 @@ clock, so each walks what a tenth of a second made (under 5 ms in the flood), an
 collection is rare: a request's objects are freed by reference counting, not by the collector
 (tests/serving/test_garbage.py), so the oldest generation gains little garbage between two.
 
-Runs in the worker, after gevent patched it (``post_worker_init``); the master never imports
-it.
+Set up by the gevent worker (``web/worker.py``) once its app and ``post_worker_init``'s
+greenlets are loaded; the master imports it with the worker class, and importing it changes
+nothing.
 """
 
 from __future__ import annotations
