@@ -40,6 +40,19 @@ does (``STALE`` from the holder's read: a holder that stalls counts for nothing 
 reports what the holder last saw as ``up`` (at its tries of the lock); only the holder logs
 the store going down or coming back.
 
+Between exchanges every worker also tells the other hosts of each call it opens, at once:
+one Redis ``PUBLISH`` on ``CLAIMS`` (its host, then URL and estimated prompt tokens in turn;
+calls opened while one is under way go out together), sent by a greenlet of its own so the
+request never waits for it. Each host's exchanging worker subscribes and counts a call it
+hears of for ``CLAIM_SECONDS``, by when the periodic counts carry it (the claiming host's
+exchange sends it within ``INTERVAL``, ours reads it within the next), and publishes it to
+its siblings' snapshot at once. The exchange alone left a call unseen by the other hosts for
+up to two intervals: replaying a bursty trace on 2 hosts, the hosts sent a burst's requests
+~9 ms apart, and 51-64 pairs per 400 requests went to a prefill both had seen idle. A claim
+is a hint, not a count: lost when the store does not answer, counted twice (the claim and the
+exchange's counts) for at most ``CLAIM_SECONDS``, its close never sent (the exchange carries
+it).
+
 A host is the workers of one gunicorn master: one load board, one state directory. Its key is
 the machine's name and a digest of the state directory's path (two masters on one machine have
 two directories), or the process id without a state directory (an app that counts its own
@@ -64,6 +77,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import gevent
 import orjson
 
 from epd_flask.control.statedir import (
@@ -106,7 +120,19 @@ OLD = 10.0
 MAX_INSTANCES = 4096
 PREFIX = "epd-flask:load:"
 HOSTS = PREFIX + "hosts"
+CLAIMS = PREFIX + "claims"
 NONE = (0, 0)
+#: A call another host claimed counts this long, by when the exchanges carry it.
+CLAIM_SECONDS = 2 * INTERVAL
+#: The exchanging worker waits for claims this long per round, then looks again whether it
+#: still exchanges.
+LISTEN_SECONDS = 0.5
+#: Claims waiting to be sent past this many are dropped (a store too slow for them): the
+#: exchange carries the counts.
+MAX_OUTBOX = 1024
+#: Connections a worker keeps to the store: the exchange, the claims it sends, the claims it
+#: hears (a subscription holds its connection).
+CONNECTIONS = 3
 
 #: The snapshot file: a head (magic, sequence number: odd while being written), a record
 #: (digest of the store's URL, monotonic time of the read, of the write, whether the store
@@ -229,8 +255,16 @@ class LoadShare:
         self._errors: tuple[type[BaseException], ...] = ()
         self._sent = b""
         self._sent_at = float("-inf")
-        #: The other hosts' counts by instance key (``key_of``), and when they were read.
+        #: The other hosts' counts by instance key (``key_of``), and when they were read: as
+        #: the exchange read them (``_theirs``) plus the claims heard since (``_claims``:
+        #: until when, instance key, tokens).
         self._snapshot: dict[int, tuple[int, int]] = {}
+        self._theirs: dict[int, tuple[int, int]] = {}
+        self._claims: list[tuple[float, int, int]] = []
+        self._outbox: list[tuple[str, int]] = []
+        self._sending = False
+        self._pubsub: Any = None
+        self._listen_at = 0.0
         self._read_at = float("-inf")
         self._retry_at = 0.0
         self._keys: dict[str, int] = {}
@@ -249,6 +283,7 @@ class LoadShare:
         #: None without a store; else whether it answered the host's latest exchange.
         self.up: bool | None = None
         self._loop = Periodic("load share", self.tick, self._interval)
+        self._listener = Periodic("load claims", self.listen, self._listen_interval)
 
     def follow(self, urls: Callable[[], Iterable[str]]) -> None:
         """Where the instances whose counts are sent come from (the registry's, read at each
@@ -260,11 +295,12 @@ class LoadShare:
         if url == self._url:
             return
         self._close()
-        self._url, self._snapshot, self._sent, self._retry_at = url, {}, b"", 0.0
+        self._url, self._sent, self._retry_at = url, b"", 0.0
+        self._snapshot, self._theirs, self._claims, self._outbox = {}, {}, [], []
         self._digest, self._read_at, self._seen, self._body_id = \
             store_digest(url), float("-inf"), -1, None
         if url:
-            self._client = redisclient.connect(url, max_connections=2)
+            self._client = redisclient.connect(url, max_connections=CONNECTIONS)
             self._script = self._client.register_script(SCRIPT)
             self._errors = redisclient.errors()
         else:
@@ -273,9 +309,11 @@ class LoadShare:
 
     def start(self) -> None:
         self._loop.start()
+        self._listener.start()
 
     def stop(self) -> None:
         self._loop.stop()
+        self._listener.stop()
         self._close()
         self._release()
         if self._lock is not None:
@@ -327,8 +365,9 @@ class LoadShare:
             return  # the store changed while this exchange waited
         if send:
             self._sent, self._sent_at = payload, now
-        self._snapshot = self._keyed(others(answer or ()))
+        self._theirs = self._keyed(others(answer or ()))
         self._read_at = time.monotonic()
+        self._merge()
         if self.up is False:
             logger.info("routing: the load store %s answers again; the other proxy hosts' "
                         "calls count as they publish them", redacted(self._url))
@@ -336,7 +375,7 @@ class LoadShare:
         self._publish()
 
     def _failed(self, why: str) -> None:
-        self._snapshot, self._sent = {}, b""
+        self._snapshot, self._theirs, self._claims, self._sent = {}, {}, [], b""
         self._retry_at = time.monotonic() + RETRY_SECONDS
         if self.up:
             logger.warning("routing: the load store %s does not answer (%s); the other proxy "
@@ -358,9 +397,104 @@ class LoadShare:
             self._events.load_store.fire(up)
 
     def _close(self) -> None:
+        self._unsubscribe()
         if self._client is not None:
             self._client.close()
         self._client = self._script = None
+
+    # -- claims: each call opened, told to the other hosts at once ------------------------
+
+    def claim(self, url: str, tokens: int) -> None:
+        """A call this worker just opened on ``url`` for a prompt of ``tokens`` (estimated):
+        sent to the other hosts by a greenlet of its own, the request never waiting."""
+        if self._client is None or self.up is False:
+            return
+        if len(self._outbox) >= MAX_OUTBOX:
+            self._outbox.clear()
+        self._outbox.append((url, tokens))
+        if not self._sending:
+            self._sending = True
+            gevent.spawn(self._send)
+
+    def _send(self) -> None:
+        client = self._client
+        try:
+            while self._outbox and client is not None and client is self._client:
+                batch, self._outbox = self._outbox, []
+                message: list[str | int] = [self.host]
+                for url, tokens in batch:
+                    message += (url, tokens)
+                client.publish(CLAIMS, orjson.dumps(message))
+        except self._errors:
+            self._outbox = []  # the exchange carries the counts
+        finally:
+            self._sending = False
+
+    def listen(self) -> None:
+        """One round of the claims' listener: while this worker exchanges for its host, wait
+        up to ``LISTEN_SECONDS`` for the other hosts' claims, each taken in as it comes."""
+        client = self._client
+        if client is None or not (self.leading or self._dir is None):
+            self._unsubscribe()
+            return
+        until = time.monotonic() + LISTEN_SECONDS
+        try:
+            if self._pubsub is None:
+                self._pubsub = client.pubsub(ignore_subscribe_messages=True)
+                self._pubsub.subscribe(CLAIMS)
+            pubsub = self._pubsub
+            while (left := until - time.monotonic()) > 0 and pubsub is self._pubsub:
+                message = pubsub.get_message(timeout=left)
+                if message is not None and message.get("type") == "message":
+                    self.heard(message["data"])
+        except self._errors as exc:
+            logger.debug("load share: cannot hear the other hosts' claims (%s)", exc)
+            self._unsubscribe()
+            self._listen_at = time.monotonic() + RETRY_SECONDS
+
+    def heard(self, raw: bytes) -> None:
+        """A message on ``CLAIMS``: another host's calls counted from now for
+        ``CLAIM_SECONDS``, and published to this host's siblings at once; this host's own,
+        and what cannot be read, ignored."""
+        try:
+            doc = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            return
+        if not isinstance(doc, list) or not doc or doc[0] == self.host:
+            return
+        until = time.monotonic() + CLAIM_SECONDS
+        for url, tokens in zip(doc[1::2], doc[2::2], strict=False):
+            if isinstance(url, str) and type(tokens) is int and tokens >= 0 \
+                    and len(self._claims) < MAX_INSTANCES:
+                self._claims.append((until, self._key(url), tokens))
+        self._merge()
+        self._publish()
+
+    def _merge(self) -> None:
+        """The snapshot routing reads: the exchange's counts plus the claims still counting
+        (one call each, at most ``MAX_INSTANCES`` instances in all)."""
+        now = time.monotonic()
+        self._claims = [claim for claim in self._claims if claim[0] > now]
+        if not self._claims:
+            self._snapshot = self._theirs
+            return
+        merged = dict(self._theirs)
+        for _, key, tokens in self._claims:
+            calls, held = merged.get(key, NONE)
+            if calls or len(merged) < MAX_INSTANCES:
+                merged[key] = (calls + 1, held + tokens)
+        self._snapshot = merged
+
+    def _listen_interval(self) -> float:
+        if self._client is None or not (self.leading or self._dir is None):
+            return IDLE_SECONDS
+        return max(0.0, self._listen_at - time.monotonic())
+
+    def _unsubscribe(self) -> None:
+        pubsub, self._pubsub = self._pubsub, None
+        if pubsub is not None:
+            with contextlib.suppress(*self._errors):
+                pubsub.close()
 
     def _key(self, url: str) -> int:
         key = self._keys.get(url)

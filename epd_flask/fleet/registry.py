@@ -147,8 +147,9 @@ class Registry:
 
     def track(self, url: str, delta: int, tokens: int = 0) -> None:
         """An upstream call to ``url`` for a prompt of ``tokens`` (estimated) opened (+1) or
-        closed (-1): the load routing reads. In this worker's state a call to an instance the
-        roster dropped meanwhile counts for nobody."""
+        closed (-1): the load routing reads; an opened one is also claimed on the load store,
+        if any, for the other hosts' next choices. In this worker's state a call to an
+        instance the roster dropped meanwhile counts for nobody."""
         state = self._states.get(url)
         if state is not None:
             state.in_flight = max(0, state.in_flight + delta)
@@ -160,6 +161,8 @@ class Registry:
             self.board.add(url, delta * tokens, TOKENS)
         if delta > 0 and tokens > 0:
             self.mean_tokens += MEAN_WEIGHT * (tokens - self.mean_tokens)
+        if delta > 0 and self.share is not None:
+            self.share.claim(url, tokens)
 
     def host(self, url: str) -> tuple[int, int]:
         """The upstream calls open on ``url`` from every worker of this proxy host, and their

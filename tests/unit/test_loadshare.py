@@ -3,16 +3,19 @@ other hosts' counts are read and summed, which host is which, and the exchange w
 Redis: a host's counts heard by the others but not by itself, a host that stops sending
 forgotten when its key expires, a store that stops answering counting for nothing; and one
 worker per host (state directory) exchanging while its siblings read its snapshot, a sibling
-taking over when it stops."""
+taking over when it stops; a call claimed at once, heard by the other hosts before any
+exchange."""
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import gevent
 import orjson
 import pytest
 
@@ -271,3 +274,61 @@ def test_a_worker_that_cannot_share_the_exchange_makes_it_itself(redis_server, t
         assert lone.counts(P1) == (2, 3000) and not lone.leading
         assert ["cannot share the load store's exchange" in r.getMessage()
                 for r in caplog.records] == [True]
+
+
+def subscribers(url: str) -> int:
+    client = redisclient.connect(url)
+    try:
+        return client.pubsub_numsub(loadshare.CLAIMS)[0][1]
+    finally:
+        client.close()
+
+
+def test_a_call_one_host_opens_counts_on_the_others_at_once_until_the_exchange_carries_it(
+        redis_server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Host A alone (no state directory), host B two workers (w1 exchanges, w2 reads its
+    # snapshot). No exchange runs between the call and its being counted: only the claim.
+    monkeypatch.setattr(loadshare, "CLAIM_SECONDS", 0.5)
+    board_a = LoadBoard(None)
+    a = LoadShare(board_a, "host-a")
+    registry_a = Registry([Instance(role="prefill", url=P1)], board=board_a, share=a)
+    w1 = LoadShare(LoadBoard(None), "host-b", state_dir=tmp_path)
+    w2 = LoadShare(LoadBoard(None), "host-b", state_dir=tmp_path)
+    with exchanging(redis_server.url, [P1], a, w1, w2):
+        ticks(a, w1, w2, rounds=1)
+        assert w1.leading and w1.counts(P1) == (0, 0)
+        listening = [gevent.spawn(lambda s=share: [s.listen() for _ in range(40)])
+                     for share in (a, w1, w2)]
+        try:
+            eventually(lambda: subscribers(redis_server.url) == 2,
+                       what="each host's exchanging worker listening, host B's sibling not")
+            registry_a.track(P1, 1, 700)
+            eventually(lambda: w1.counts(P1) == (1, 700), 5, what="host B heard the claim")
+            assert w2.counts(P1) == (1, 700)  # its sibling through the snapshot, at once
+            assert a.counts(P1) == (0, 0)  # a host's own claims are not the others'
+            # The claim counts for CLAIM_SECONDS; host A's exchange carries the call then.
+            gevent.sleep(loadshare.CLAIM_SECONDS)
+            w1.exchange()
+            assert w1.counts(P1) == w2.counts(P1) == (0, 0)
+            a.exchange()
+            w1.exchange()
+            assert w1.counts(P1) == (1, 700)
+            # A call closed is never claimed; the exchange carries it.
+            registry_a.track(P1, -1, 700)
+            a.exchange()
+            w1.exchange()
+            assert w1.counts(P1) == w2.counts(P1) == (0, 0)
+        finally:
+            gevent.killall(listening)
+
+
+def test_a_claim_that_cannot_be_read_or_is_the_hosts_own_counts_for_nothing() -> None:
+    share = LoadShare(LoadBoard(None), "host-b")
+    share._read_at = time.monotonic()
+    share._script = object()  # a store configured, without talking to one
+    for raw in (b"not json", b"{}", b"[]", orjson.dumps(["host-b", P1, 10]),
+                orjson.dumps(["host-a", P1, -1, 7, 8, P2, "x"])):
+        share.heard(raw)
+    assert share.counts(P1) == share.counts(P2) == (0, 0)
+    share.heard(orjson.dumps(["host-a", P1, 10, P1, 0, P2, 5]))
+    assert (share.counts(P1), share.counts(P2)) == ((2, 10), (1, 5))
