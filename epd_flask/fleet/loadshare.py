@@ -480,8 +480,8 @@ class LoadShare:
             return
         merged = dict(self._theirs)
         for _, key, tokens in self._claims:
-            calls, held = merged.get(key, NONE)
-            if calls or len(merged) < MAX_INSTANCES:
+            if key in merged or len(merged) < MAX_INSTANCES:
+                calls, held = merged.get(key, NONE)
                 merged[key] = (calls + 1, held + tokens)
         self._snapshot = merged
 

@@ -1,8 +1,8 @@
 """Engine load signals through real HTTP (docs/behaviour.md#routing-policies): the prober reads
 each instance's /metrics, so a proxy sees the queue another proxy (another host) built on an
 instance and sends its own requests elsewhere; a worker sees its host's other workers' calls
-at once, without a read, and with a shared load store another host's; a read that fails keeps
-the last values and is logged once."""
+at once, without a read, and with a shared load store another host's, each call claimed at
+once; a read that fails keeps the last values and is logged once."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import logging
 import gevent
 import requests
 
+from epd_flask.fleet import loadshare
 from epd_flask.upstream import redisclient
 from epd_flask.web.services import services
 from tests.bodies import completion
@@ -115,8 +116,12 @@ def test_another_host_calls_are_seen_through_the_load_store_and_redis_down_route
     eventually(lambda: share_b.counts(busy.url)[0] >= 2, what="host B heard host A's calls")
     assert share_b2.counts(busy.url) == share_b.counts(busy.url)
     asker = redisclient.connect(redis_server.url)
-    assert len(asker.client_list()) == 3  # host A's, host B's (one of two workers), this one
+    clients = asker.client_list()
     asker.close()
+    # Each host's exchanging worker: its exchange's connection and its subscription to the
+    # claims; host B's other worker has none (it answered no request yet: nothing to claim).
+    assert sum(c["sub"] != "0" for c in clients) == 2
+    assert len(clients) == 5  # and this one
     assert share_b.counts(busy.url)[1] > 1000  # with their estimated prompt tokens
     assert share_b.counts(idle.url) == (0, 0)
     for i in range(6):
@@ -138,6 +143,42 @@ def test_another_host_calls_are_seen_through_the_load_store_and_redis_down_route
     warnings = [r for r in caplog.records if "does not answer" in r.getMessage()
                 and r.name == "epd_flask.fleet.loadshare"]
     assert len(warnings) == 2, "one per host, not one per worker, exchange or request"
+
+
+def test_a_call_another_host_just_opened_counts_before_the_hosts_exchange_again(
+        sim, proxy, tmp_path, redis_server, monkeypatch) -> None:
+    """Between two exchanges of the load store (here one at start and none after) a host still
+    hears of each call another host opens, claimed on the store at once
+    (docs/behaviour.md#routing-policies 2): host B sends its prompts away from the prefill
+    host A just sent one to, with no engine read and no exchange since."""
+    monkeypatch.setattr(loadshare, "INTERVAL", 600.0)
+    monkeypatch.setattr(loadshare, "STALE", 600.0)
+    monkeypatch.setattr(loadshare, "CLAIM_SECONDS", 600.0)
+    slow = {"prefill_tokens_per_s": 2000.0, "max_model_len": 4096}
+    busy, idle, d = sim("prefill", **slow), sim("prefill", **slow), sim("decode", **slow)
+    shared = {"probe_interval": 0.1, "engine_metrics_interval": 0,
+              "load_store": redis_server.url}
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    host_a = proxy(roster([busy], [d], **shared), probes=True, state_dir=str(tmp_path / "a"))
+    host_b = proxy(roster([busy, idle], [d], routing={"prefill": "least_loaded"}, **shared),
+                   probes=True, state_dir=str(tmp_path / "b"))
+    share_b = services(host_b.app).live.registry.share
+    assert share_b is not None
+    asker = redisclient.connect(redis_server.url)
+    try:
+        eventually(lambda: asker.pubsub_numsub(loadshare.CLAIMS)[0][1] == 2,
+                   what="each host listening for the other's claims")
+    finally:
+        asker.close()
+    sent = gevent.spawn(_post, host_a.url, f"a {LONG}")
+    eventually(lambda: share_b.counts(busy.url)[0] == 1, what="host B heard host A's call")
+    assert share_b.counts(busy.url)[1] > 500  # with its estimated prompt tokens
+    for i in range(8):
+        assert _post(host_b.url, f"b{i} short").status_code == 200
+    # Against eight coin tosses without the claim: host A's call weighs on `busy`.
+    assert idle.state.stats()["completions"] == 8
+    assert sent.get(timeout=30).status_code == 200
 
 
 def test_a_failing_metrics_page_keeps_the_last_values_and_warns_once(fake, sim, proxy,
