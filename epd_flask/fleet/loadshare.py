@@ -127,6 +127,9 @@ CLAIM_SECONDS = 2 * INTERVAL
 #: The exchanging worker waits for claims this long per round, then looks again whether it
 #: still exchanges.
 LISTEN_SECONDS = 0.5
+#: Claims that came together are taken in at once, up to this many messages: the snapshot
+#: is rebuilt and published once for them, not once each.
+LISTEN_BATCH = 256
 #: Claims waiting to be sent past this many are dropped (a store too slow for them): the
 #: exchange carries the counts.
 MAX_OUTBOX = 1024
@@ -445,28 +448,35 @@ class LoadShare:
             pubsub = self._pubsub
             while (left := until - time.monotonic()) > 0 and pubsub is self._pubsub:
                 message = pubsub.get_message(timeout=left)
-                if message is not None and message.get("type") == "message":
-                    self.heard(message["data"])
+                batch: list[bytes] = []
+                while message is not None and len(batch) < LISTEN_BATCH:
+                    if message.get("type") == "message":
+                        batch.append(message["data"])
+                    message = pubsub.get_message(timeout=0)
+                if batch:
+                    self.heard(*batch)
         except self._errors as exc:
             logger.debug("load share: cannot hear the other hosts' claims (%s)", exc)
             self._unsubscribe()
             self._listen_at = time.monotonic() + RETRY_SECONDS
 
-    def heard(self, raw: bytes) -> None:
-        """A message on ``CLAIMS``: another host's calls counted from now for
-        ``CLAIM_SECONDS``, and published to this host's siblings at once; this host's own,
-        and what cannot be read, ignored."""
-        try:
-            doc = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            return
-        if not isinstance(doc, list) or not doc or doc[0] == self.host:
-            return
+    def heard(self, *raws: bytes) -> None:
+        """Messages on ``CLAIMS`` (those that came together: the snapshot is rebuilt and
+        published once for them): other hosts' calls counted from now for ``CLAIM_SECONDS``,
+        and published to this host's siblings at once; this host's own, and what cannot be
+        read, ignored."""
         until = time.monotonic() + CLAIM_SECONDS
-        for url, tokens in zip(doc[1::2], doc[2::2], strict=False):
-            if isinstance(url, str) and type(tokens) is int and tokens >= 0 \
-                    and len(self._claims) < MAX_INSTANCES:
-                self._claims.append((until, self._key(url), tokens))
+        for raw in raws:
+            try:
+                doc = orjson.loads(raw)
+            except orjson.JSONDecodeError:
+                continue
+            if not isinstance(doc, list) or not doc or doc[0] == self.host:
+                continue
+            for url, tokens in zip(doc[1::2], doc[2::2], strict=False):
+                if isinstance(url, str) and type(tokens) is int and tokens >= 0 \
+                        and len(self._claims) < MAX_INSTANCES:
+                    self._claims.append((until, self._key(url), tokens))
         self._merge()
         self._publish()
 

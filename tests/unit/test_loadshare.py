@@ -330,5 +330,5 @@ def test_a_claim_that_cannot_be_read_or_is_the_hosts_own_counts_for_nothing() ->
                 orjson.dumps(["host-a", P1, -1, 7, 8, P2, "x"])):
         share.heard(raw)
     assert share.counts(P1) == share.counts(P2) == (0, 0)
-    share.heard(orjson.dumps(["host-a", P1, 10, P1, 0, P2, 5]))
+    share.heard(orjson.dumps(["host-a", P1, 10, P1, 0]), orjson.dumps(["host-c", P2, 5]))
     assert (share.counts(P1), share.counts(P2)) == ((2, 10), (1, 5))
