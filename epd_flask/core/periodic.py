@@ -39,9 +39,11 @@ class Periodic:
         if not self.running:
             self._greenlet = gevent.spawn(self._run)
 
-    def stop(self) -> None:
+    def stop(self, wait: float = 0.0) -> None:
+        """Kill the loop; with ``wait``, until it has died (at most that many seconds), for a
+        step blocked on a connection its owner is about to close."""
         if self._greenlet is not None:
-            self._greenlet.kill(block=False)
+            self._greenlet.kill(block=wait > 0, timeout=wait or None)
             self._greenlet = None
 
     def _run(self) -> None:

@@ -133,6 +133,8 @@ LISTEN_BATCH = 256
 #: Claims waiting to be sent past this many are dropped (a store too slow for them): the
 #: exchange carries the counts.
 MAX_OUTBOX = 1024
+#: How long closing the store's client waits for the claims' listener to stop.
+STOP_SECONDS = 1.0
 #: Connections a worker keeps to the store: the exchange, the claims it sends, the claims it
 #: hears (a subscription holds its connection).
 CONNECTIONS = 3
@@ -297,6 +299,7 @@ class LoadShare:
         """Use the store at ``url`` (empty: none) from the next exchange on."""
         if url == self._url:
             return
+        listening = self._listener.running
         self._close()
         self._url, self._sent, self._retry_at = url, b"", 0.0
         self._snapshot, self._theirs, self._claims, self._outbox = {}, {}, [], []
@@ -309,6 +312,8 @@ class LoadShare:
         else:
             self._release()  # a sibling with a store exchanges (mid-reload)
         self._answered(True if url else None)
+        if listening:
+            self._listener.start()
 
     def start(self) -> None:
         self._loop.start()
@@ -316,7 +321,6 @@ class LoadShare:
 
     def stop(self) -> None:
         self._loop.stop()
-        self._listener.stop()
         self._close()
         self._release()
         if self._lock is not None:
@@ -361,7 +365,11 @@ class LoadShare:
         try:
             answer = script(keys=[HOSTS], args=[PREFIX, self.host, payload if send else b"",
                                                 int(TTL * 1000)])
-        except self._errors as exc:
+        except Exception as exc:
+            if script is not self._script:
+                return  # its client was closed (a reload, a stop) while this exchange waited
+            if not isinstance(exc, self._errors):
+                raise
             self._failed(" ".join(str(exc).split())[:200] or type(exc).__name__)
             return
         if script is not self._script:
@@ -400,10 +408,14 @@ class LoadShare:
             self._events.load_store.fire(up)
 
     def _close(self) -> None:
+        """Detach the client (no exchange or claim starts on it), then close it. The listener
+        waits in a read on its subscription: it must be gone before its connection closes, or
+        redis-py's read fails in the middle of its own bookkeeping."""
+        client, self._client, self._script = self._client, None, None
+        self._listener.stop(wait=STOP_SECONDS)
         self._unsubscribe()
-        if self._client is not None:
-            self._client.close()
-        self._client = self._script = None
+        if client is not None:
+            client.close()
 
     # -- claims: each call opened, told to the other hosts at once ------------------------
 
@@ -428,8 +440,10 @@ class LoadShare:
                 for url, tokens in batch:
                     message += (url, tokens)
                 client.publish(CLAIMS, orjson.dumps(message))
-        except self._errors:
+        except Exception as exc:
             self._outbox = []  # the exchange carries the counts
+            if client is self._client and not isinstance(exc, self._errors):
+                logger.exception("load share: cannot claim calls on the store")
         finally:
             self._sending = False
 

@@ -332,3 +332,22 @@ def test_a_claim_that_cannot_be_read_or_is_the_hosts_own_counts_for_nothing() ->
     assert share.counts(P1) == share.counts(P2) == (0, 0)
     share.heard(orjson.dumps(["host-a", P1, 10, P1, 0]), orjson.dumps(["host-c", P2, 5]))
     assert (share.counts(P1), share.counts(P2)) == ((2, 10), (1, 5))
+
+
+def test_a_listening_worker_reconfigured_or_stopped_hands_its_subscription_back_quietly(
+        redis_server, caplog) -> None:
+    share = LoadShare(LoadBoard(None), "host-a")
+    share.follow(lambda: [P1])
+    share.configure(redis_server.url)
+    share.start()
+    try:
+        with caplog.at_level(logging.WARNING):
+            eventually(lambda: subscribers(redis_server.url) == 1, what="listening")
+            share.configure("")  # a reload that drops the store, then one that brings it back
+            eventually(lambda: subscribers(redis_server.url) == 0, what="the listener gone")
+            share.configure(redis_server.url)
+            eventually(lambda: subscribers(redis_server.url) == 1, what="listening again")
+    finally:
+        share.stop()
+    eventually(lambda: subscribers(redis_server.url) == 0, what="stopped")
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
