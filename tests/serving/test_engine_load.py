@@ -7,6 +7,7 @@ once; a read that fails keeps the last values and is logged once."""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import gevent
 import requests
@@ -87,21 +88,29 @@ def test_a_sibling_worker_calls_are_seen_at_once_without_a_read(sim, proxy, tmp_
     assert services(worker_b.app).live.registry.get(busy.url).engine is None  # never read
 
 
+def _two_hosts(sim, proxy, tmp_path,
+               store: str) -> tuple[Any, Any, Any, dict[str, Any], Any, Any]:
+    """Two hosts (two state directories) sharing the load store at ``store``, neither reading
+    any engine: host A knows only `busy`, host B `busy` and `idle` and routes its prefills to
+    the less loaded. Returns the sims, the roster settings they share and the two proxies."""
+    slow = {"prefill_tokens_per_s": 2000.0, "max_model_len": 4096}
+    busy, idle, d = sim("prefill", **slow), sim("prefill", **slow), sim("decode", **slow)
+    shared = {"probe_interval": 0.1, "engine_metrics_interval": 0, "load_store": store}
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    host_a = proxy(roster([busy], [d], **shared), probes=True, state_dir=str(tmp_path / "a"))
+    host_b = proxy(roster([busy, idle], [d], routing={"prefill": "least_loaded"}, **shared),
+                   probes=True, state_dir=str(tmp_path / "b"))
+    return busy, idle, d, shared, host_a, host_b
+
+
 def test_another_host_calls_are_seen_through_the_load_store_and_redis_down_routes_on(
         sim, proxy, tmp_path, redis_server, caplog) -> None:
     """Two hosts (two state directories) sharing ``load_store``, neither reading any engine:
     host B sees host A's open calls on `busy` in its snapshot and sends its own elsewhere;
     with Redis stopped, B routes on without it (docs/behaviour.md#routing-policies 2). Host B
     has two workers: one talks to Redis, the other reads its snapshot."""
-    slow = {"prefill_tokens_per_s": 2000.0, "max_model_len": 4096}
-    busy, idle, d = sim("prefill", **slow), sim("prefill", **slow), sim("decode", **slow)
-    shared = {"probe_interval": 0.1, "engine_metrics_interval": 0,
-              "load_store": redis_server.url}
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    host_a = proxy(roster([busy], [d], **shared), probes=True, state_dir=str(tmp_path / "a"))
-    host_b = proxy(roster([busy, idle], [d], routing={"prefill": "least_loaded"}, **shared),
-                   probes=True, state_dir=str(tmp_path / "b"))
+    busy, idle, d, shared, host_a, host_b = _two_hosts(sim, proxy, tmp_path, redis_server.url)
     sibling = proxy(roster([busy, idle], [d], **shared), probes=True,
                     state_dir=str(tmp_path / "b"))
     share_b = services(host_b.app).live.registry.share
@@ -153,15 +162,7 @@ def test_a_call_another_host_just_opened_counts_before_the_hosts_exchange_again(
     monkeypatch.setattr(loadshare, "INTERVAL", 600.0)
     monkeypatch.setattr(loadshare, "STALE", 600.0)
     monkeypatch.setattr(loadshare, "CLAIM_SECONDS", 600.0)
-    slow = {"prefill_tokens_per_s": 2000.0, "max_model_len": 4096}
-    busy, idle, d = sim("prefill", **slow), sim("prefill", **slow), sim("decode", **slow)
-    shared = {"probe_interval": 0.1, "engine_metrics_interval": 0,
-              "load_store": redis_server.url}
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    host_a = proxy(roster([busy], [d], **shared), probes=True, state_dir=str(tmp_path / "a"))
-    host_b = proxy(roster([busy, idle], [d], routing={"prefill": "least_loaded"}, **shared),
-                   probes=True, state_dir=str(tmp_path / "b"))
+    busy, idle, _, _, host_a, host_b = _two_hosts(sim, proxy, tmp_path, redis_server.url)
     share_b = services(host_b.app).live.registry.share
     assert share_b is not None
     asker = redisclient.connect(redis_server.url)
