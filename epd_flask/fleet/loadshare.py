@@ -48,10 +48,11 @@ hears of for ``CLAIM_SECONDS``, by when the periodic counts carry it (the claimi
 exchange sends it within ``INTERVAL``, ours reads it within the next), and publishes it to
 its siblings' snapshot at once. The exchange alone left a call unseen by the other hosts for
 up to two intervals: replaying a bursty trace on 2 hosts, the hosts sent a burst's requests
-~9 ms apart, and 51-64 pairs per 400 requests went to a prefill both had seen idle. A claim
-is a hint, not a count: lost when the store does not answer, counted twice (the claim and the
-exchange's counts) for at most ``CLAIM_SECONDS``, its close never sent (the exchange carries
-it).
+~9 ms apart, and 41-58 pairs per 400 requests went to a prefill both had seen idle (19-35
+with the claims, which reach the other host p50 7 ms, p90 35 ms after the call opened on a
+busy 2-vCPU machine: docs/benchmarks.md). A claim is a hint, not a count: lost when the
+store does not answer, counted twice (the claim and the exchange's counts) for at most
+``CLAIM_SECONDS``, its close never sent (the exchange carries it).
 
 A host is the workers of one gunicorn master: one load board, one state directory. Its key is
 the machine's name and a digest of the state directory's path (two masters on one machine have
