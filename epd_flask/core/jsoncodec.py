@@ -3,7 +3,8 @@ writes it, with orjson writing: several times faster on the large bodies a multi
 carries, and a long string (a base64 image) encoded once however many legs carry it.
 
 Reading stays with the standard library: orjson turns integers beyond 64 bits into floats,
-and on large bodies it measured no faster here.
+and on large bodies it measured no faster here. The one exception is an answer of token ids
+(``loads_ids``), where orjson is ~3x faster and a float is refused by the caller anyway.
 """
 
 from __future__ import annotations
@@ -55,6 +56,15 @@ def loads(data: bytes | str) -> Any:
     if len(text) < SHARED_STRING_CHARS:
         return json.loads(text, parse_constant=_non_finite)
     return json.loads(text, parse_constant=_non_finite, object_hook=_share_long_strings)
+
+
+def loads_ids(data: bytes) -> Any:
+    """Parse an instance's answer that is mostly machine integers (``/tokenize``'s thousands of
+    token ids) with orjson: 0.66 ms against ``loads``'s 1.8 ms for 14,000 ids here, once per
+    ``kv_aware`` request. An integer beyond 64 bits comes back a float, which the caller's
+    check of ids refuses; text that is not JSON or not UTF-8 raises ValueError, as ``loads``
+    does."""
+    return orjson.loads(data)
 
 
 def _subclass(obj: Any) -> Any:

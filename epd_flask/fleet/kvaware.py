@@ -172,7 +172,7 @@ class Tokenizer:
             raw = self.transport.read_body(resp, STAGE, max_bytes=self.transport.max_answer_bytes)
             if status != 200:
                 raise ValueError(f"/tokenize answered {status}")
-            tokens = parse_tokens(jsoncodec.loads(raw))
+            tokens = parse_tokens(jsoncodec.loads_ids(raw))
         except (ProxyError, ValueError) as exc:
             failure = exc if isinstance(exc, ProxyError) else BackendError(
                 str(exc), code="bad_tokenize_answer", stage=STAGE, instance=url)

@@ -638,3 +638,24 @@ def test_hostile_messages_are_counted_and_the_reader_goes_on(
         assert kv.readers[url] is reader and reader.failures == 0
     finally:
         kv.stop()
+
+
+@pytest.mark.parametrize("body", [
+    b'{"tokens": [1, 2, 3]}', b'{"tokens": [1, 18446744073709551616]}', b'{"tokens": [1, 2.0]}',
+    b'{"tokens": ["\xff"]}', b'{"tokens": [1, 2', b'{"tokens": [1, NaN]}'])
+def test_only_a_tokenize_answer_of_token_ids_gives_tokens(
+        body: bytes, caplog: pytest.LogCaptureFixture) -> None:
+    """The answer is read with orjson (``jsoncodec.loads_ids``): a number beyond 64 bits (a
+    float to orjson), a float, text that is not UTF-8 or not JSON give no tokens and a warning,
+    and routing goes by prefix, as with any failed /tokenize."""
+    fake = FakeUpstream(lambda conn, _request: conn.sendall(response(body=body)))
+    try:
+        tokenizer = Tokenizer(Transport(), lambda: 1.0)
+        with caplog.at_level(logging.WARNING, logger="epd_flask.fleet.kvaware"):
+            got = tokenizer.tokens({"model": "m", "prompt": "text"},
+                                   Instance(role="prefill", url=fake.url))
+    finally:
+        fake.stop()
+    good = body == b'{"tokens": [1, 2, 3]}'
+    assert got == ((1, 2, 3) if good else ())
+    assert any("cannot tokenize" in m for m in caplog.messages) is not good
