@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import gc
 
-import gevent
+from epd_flask.core.periodic import Periodic
 
 #: Seconds between two collections of the young generations (0 and 1).
 YOUNG_EVERY = 0.1
@@ -33,15 +33,11 @@ YOUNG_EVERY = 0.1
 THRESHOLDS = (700, 3, 6000)
 
 
-def settle() -> gevent.Greenlet:
+def settle() -> Periodic:
     """Freeze what the worker has loaded (the app, its services and their greenlets live as
     long as it: no collection walks them again), set ``THRESHOLDS`` and start the clock."""
     gc.freeze()
     gc.set_threshold(*THRESHOLDS)
-    return gevent.spawn(_young_on_a_clock)
-
-
-def _young_on_a_clock() -> None:
-    while True:
-        gevent.sleep(YOUNG_EVERY)
-        gc.collect(1)
+    clock = Periodic("young collections", lambda: gc.collect(1), lambda: YOUNG_EVERY)
+    clock.start()
+    return clock
