@@ -40,19 +40,19 @@ does (``STALE`` from the holder's read: a holder that stalls counts for nothing 
 reports what the holder last saw as ``up`` (at its tries of the lock); only the holder logs
 the store going down or coming back.
 
-Between exchanges every worker also tells the other hosts of each call it opens, at once:
-one Redis ``PUBLISH`` on ``CLAIMS`` (its host, then URL and estimated prompt tokens in turn;
-calls opened while one is under way go out together), sent by a greenlet of its own so the
-request never waits for it. Each host's exchanging worker subscribes and counts a call it
-hears of for ``CLAIM_SECONDS``, by when the periodic counts carry it (the claiming host's
-exchange sends it within ``INTERVAL``, ours reads it within the next), and publishes it to
-its siblings' snapshot at once. The exchange alone left a call unseen by the other hosts for
-up to two intervals: replaying a bursty trace on 2 hosts, the hosts sent a burst's requests
-~9 ms apart, and 41-58 pairs per 400 requests went to a prefill both had seen idle (19-35
-with the claims, which reach the other host p50 7 ms, p90 35 ms after the call opened on a
-busy 2-vCPU machine: docs/benchmarks.md). A claim is a hint, not a count: lost when the
-store does not answer, counted twice (the claim and the exchange's counts) for at most
-``CLAIM_SECONDS``, its close never sent (the exchange carries it).
+Between exchanges every worker also tells the other hosts of each call it opens, at once: one
+Redis ``PUBLISH`` on ``CLAIMS`` (its host, a space, then the calls and estimated prompt tokens
+per instance as an exchange sends them; calls opened while one is under way go out together),
+sent by a greenlet of its own so the request never waits for it. Each host's exchanging worker
+subscribes and counts a call it hears of for ``CLAIM_SECONDS``, by when the periodic counts
+carry it (the claiming host's exchange sends it within ``INTERVAL``, ours reads it within the
+next), and publishes it to its siblings' snapshot at once. The exchange alone left a call
+unseen by the other hosts for up to two intervals: replaying a bursty trace on 2 hosts, the
+hosts sent a burst's requests ~9 ms apart, and 41-58 pairs per 400 requests went to a prefill
+both had seen idle (19-35 with the claims, which reach the other host p50 7 ms, p90 35 ms after
+the call opened on a busy 2-vCPU machine: docs/benchmarks.md). A claim is a hint, not a count:
+lost when the store does not answer, counted twice (the claim and the exchange's counts) for at
+most ``CLAIM_SECONDS``, its close never sent (the exchange carries it).
 
 A host is the workers of one gunicorn master: one load board, one state directory. Its key is
 the machine's name and a digest of the state directory's path (two masters on one machine have
@@ -263,10 +263,10 @@ class LoadShare:
         self._sent_at = float("-inf")
         #: The other hosts' counts by instance key (``key_of``), and when they were read: as
         #: the exchange read them (``_theirs``) plus the claims heard since (``_claims``:
-        #: until when, instance key, tokens).
+        #: until when, instance key, calls, tokens).
         self._snapshot: dict[int, tuple[int, int]] = {}
         self._theirs: dict[int, tuple[int, int]] = {}
-        self._claims: list[tuple[float, int, int]] = []
+        self._claims: list[tuple[float, int, int, int]] = []
         self._outbox: list[tuple[str, int]] = []
         self._sending = False
         self._pubsub: Any = None
@@ -348,7 +348,7 @@ class LoadShare:
         the host's lock, else read the holder's snapshot."""
         if self._script is None:
             return
-        if self._dir is not None and not self.leading and not self._lead():
+        if not self._exchanges() and not self._lead():
             if self._follow() and 0 <= time.monotonic() - self._written_at <= OLD:
                 self._answered(self._heard)
             return
@@ -399,9 +399,14 @@ class LoadShare:
     def _interval(self) -> float:
         if self._script is None:
             return IDLE_SECONDS
-        if self._dir is not None and not self.leading:
+        if not self._exchanges():
             return TAKEOVER_SECONDS
         return INTERVAL if self.up else RETRY_SECONDS
+
+    def _exchanges(self) -> bool:
+        """Whether this worker exchanges for its host: it holds the lock, or has no state
+        directory to share the exchange in."""
+        return self._dir is None or self.leading
 
     def _answered(self, up: bool | None) -> None:
         if up != self.up:
@@ -437,10 +442,11 @@ class LoadShare:
         try:
             while self._outbox and client is not None and client is self._client:
                 batch, self._outbox = self._outbox, []
-                message: list[str | int] = [self.host]
+                calls: dict[str, tuple[int, int]] = {}
                 for url, tokens in batch:
-                    message += (url, tokens)
-                client.publish(CLAIMS, orjson.dumps(message))
+                    opened, held = calls.get(url, NONE)
+                    calls[url] = (opened + 1, held + tokens)
+                client.publish(CLAIMS, self.host.encode() + b" " + encode(calls))
         except Exception as exc:
             self._outbox = []  # the exchange carries the counts
             if client is self._client and not isinstance(exc, self._errors):
@@ -452,7 +458,7 @@ class LoadShare:
         """One round of the claims' listener: while this worker exchanges for its host, wait
         up to ``LISTEN_SECONDS`` for the other hosts' claims, each taken in as it comes."""
         client = self._client
-        if client is None or not (self.leading or self._dir is None):
+        if client is None or not self._exchanges():
             self._unsubscribe()
             return
         until = time.monotonic() + LISTEN_SECONDS
@@ -481,37 +487,38 @@ class LoadShare:
         and published to this host's siblings at once; this host's own, and what cannot be
         read, ignored."""
         until = time.monotonic() + CLAIM_SECONDS
+        own = self.host.encode()
         for raw in raws:
+            host, _, body = raw.partition(b" ")
+            if host == own:
+                continue
             try:
-                doc = orjson.loads(raw)
-            except orjson.JSONDecodeError:
+                counts = decode(body)
+            except (orjson.JSONDecodeError, TypeError):
                 continue
-            if not isinstance(doc, list) or not doc or doc[0] == self.host:
-                continue
-            for url, tokens in zip(doc[1::2], doc[2::2], strict=False):
-                if isinstance(url, str) and type(tokens) is int and tokens >= 0 \
-                        and len(self._claims) < MAX_INSTANCES:
-                    self._claims.append((until, self._key(url), tokens))
+            for url, (calls, tokens) in counts.items():
+                if len(self._claims) < MAX_INSTANCES:
+                    self._claims.append((until, self._key(url), calls, tokens))
         self._merge()
         self._publish()
 
     def _merge(self) -> None:
         """The snapshot routing reads: the exchange's counts plus the claims still counting
-        (one call each, at most ``MAX_INSTANCES`` instances in all)."""
+        (at most ``MAX_INSTANCES`` instances in all)."""
         now = time.monotonic()
         self._claims = [claim for claim in self._claims if claim[0] > now]
         if not self._claims:
             self._snapshot = self._theirs
             return
         merged = dict(self._theirs)
-        for _, key, tokens in self._claims:
+        for _, key, calls, tokens in self._claims:
             if key in merged or len(merged) < MAX_INSTANCES:
-                calls, held = merged.get(key, NONE)
-                merged[key] = (calls + 1, held + tokens)
+                known, held = merged.get(key, NONE)
+                merged[key] = (known + calls, held + tokens)
         self._snapshot = merged
 
     def _listen_interval(self) -> float:
-        if self._client is None or not (self.leading or self._dir is None):
+        if self._client is None or not self._exchanges():
             return IDLE_SECONDS
         return max(0.0, self._listen_at - time.monotonic())
 

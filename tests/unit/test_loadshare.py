@@ -326,11 +326,11 @@ def test_a_claim_that_cannot_be_read_or_is_the_hosts_own_counts_for_nothing() ->
     share = LoadShare(LoadBoard(None), "host-b")
     share._read_at = time.monotonic()
     share._script = object()  # a store configured, without talking to one
-    for raw in (b"not json", b"{}", b"[]", orjson.dumps(["host-b", P1, 10]),
-                orjson.dumps(["host-a", P1, -1, 7, 8, P2, "x"])):
+    for raw in (b"host-a not json", b"host-a [1]", b"host-a", b"host-b " + encode({P1: (1, 10)}),
+                b'host-a {"%s": [1, -7], "%s": ["x", 1]}' % (P1.encode(), P2.encode())):
         share.heard(raw)
     assert share.counts(P1) == share.counts(P2) == (0, 0)
-    share.heard(orjson.dumps(["host-a", P1, 10, P1, 0]), orjson.dumps(["host-c", P2, 5]))
+    share.heard(b"host-a " + encode({P1: (2, 10)}), b"host-c " + encode({P2: (1, 5)}))
     assert (share.counts(P1), share.counts(P2)) == ((2, 10), (1, 5))
 
 
