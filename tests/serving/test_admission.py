@@ -56,14 +56,23 @@ def hold_the_place(px: Any) -> RawStream:
     return held
 
 
+def queue_in_order(px: Any, sent: list[tuple[str, str]]) -> list[gevent.Greenlet]:
+    """Post each (tenant, prompt) of ``sent`` once the one before it waits at the gate, so the
+    queue holds them in this order (sent at once, two clients may reach it either way)."""
+    gate = px.services.admission
+    pending = []
+    for tenant, prompt in sent:
+        before = gate.waiting
+        pending.append(gevent.spawn(post, px, tenant, prompt))
+        eventually(lambda n=before: gate.waiting == n + 1, what=f"{prompt!r} waiting")
+    return pending
+
+
 def test_a_full_instance_queues_and_high_priority_overtakes_low(sim, proxy, caplog) -> None:
     server, px = one_place(sim, proxy)
-    gate = px.services.admission
     held = hold_the_place(px)
-    pending = [gevent.spawn(post, px, "batch", f"batch {n}") for n in range(2)]
-    eventually(lambda: gate.waiting == 2, what="two batch requests waiting")
-    pending.append(gevent.spawn(post, px, "chat", "chat 0"))
-    eventually(lambda: gate.waiting == 3, what="the chat request waiting too")
+    pending = queue_in_order(px, [("batch", "batch 0"), ("batch", "batch 1"),
+                                  ("chat", "chat 0")])
     assert arrivals(server) == [HOLD["messages"][0]["content"]], "a waiting request went out"
     with caplog.at_level(logging.INFO, logger="epd_flask.requests"):
         held.hang_up()

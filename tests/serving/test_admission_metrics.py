@@ -15,7 +15,7 @@ import requests
 from tests.bodies import chat
 from tests.helpers import RawStream, eventually, sample, scrape
 from tests.rosters import roster
-from tests.serving.test_admission import arrivals, hold_the_place, one_place, post
+from tests.serving.test_admission import arrivals, hold_the_place, one_place, post, queue_in_order
 
 REASONS = ("queue_full", "queue_timeout", "client_gone", "rate_limit_requests",
            "rate_limit_tokens", "too_large")
@@ -28,7 +28,6 @@ def text(page: requests.Response) -> str:
 
 def test_queue_depth_waits_and_tokens_per_tenant(sim, proxy) -> None:
     server, px = one_place(sim, proxy)
-    gate = px.services.admission
     first = scrape(px.url)
     # Every tenant of the roster is there from the start, at 0: an alert's increase() sees
     # the first refusal.
@@ -38,10 +37,8 @@ def test_queue_depth_waits_and_tokens_per_tenant(sim, proxy) -> None:
                      frozenset({("tenant", tenant), ("reason", reason)})) in first)
     assert sample(first, "epd_admission_queue_depth", tenant="batch", priority="low") == 0
     held = hold_the_place(px)
-    pending = [gevent.spawn(post, px, "batch", f"batch {n}") for n in range(2)]
-    eventually(lambda: gate.waiting == 2, what="two batch requests waiting")
-    pending.append(gevent.spawn(post, px, "chat", "chat 0"))
-    eventually(lambda: gate.waiting == 3, what="the chat request waiting too")
+    pending = queue_in_order(px, [("batch", "batch 0"), ("batch", "batch 1"),
+                                  ("chat", "chat 0")])
     waiting = scrape(px.url)
     assert sample(waiting, "epd_admission_queue_depth", tenant="batch", priority="low") == 2
     assert sample(waiting, "epd_admission_queue_depth", tenant="chat", priority="high") == 1
