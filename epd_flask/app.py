@@ -85,7 +85,7 @@ def build_services(config: ProxyConfig, roster: Roster, generation: int = 0, *,
     )
     backend_auth = {"Authorization": f"Bearer {config.backend_api_key}"} \
         if config.backend_api_key else None
-    kv_events = KVEvents(live.registry, events=events)
+    kv_events = KVEvents(live.registry, events=events, state_dir=config.state_dir)
     connector = connector_class(settings.connector)()
     discovery = BootstrapDiscovery(live, transport) if connector.bootstrap else None
     # Admission (docs/behaviour.md#admission): every role a request may wait for routes

@@ -46,6 +46,10 @@ RATE_FILE = "ratelimit.bin"
 #: the other hosts' counts as that worker last read them, for its siblings.
 SHARE_LOCK_FILE = "loadshare.lock"
 SHARE_FILE = "loadshare.bin"
+#: One KV picture per host (fleet/kvrelay.py): the lock its reading worker holds, and the
+#: sockets it sends its pictures' changes and answers snapshots on.
+KV_RELAY_LOCK_FILE = "kvrelay.lock"
+KV_RELAY_SOCKETS = ("kvrelay-changes.sock", "kvrelay-snapshots.sock")
 LOCK_TIMEOUT = 5.0
 LOCK_POLL = 0.01
 

@@ -23,7 +23,7 @@ from epd_flask.core import jsoncodec
 from epd_flask.core.errors import BackendError, ProxyError
 from epd_flask.core.tracing import CallTrace, RequestTrace
 from epd_flask.fleet import policies
-from epd_flask.fleet.kvcache import MAX_TOKEN_ID, CachePicture, are_token_ids, prompt_keys
+from epd_flask.fleet.kvcache import MAX_TOKEN_ID, Picture, are_token_ids, prompt_keys
 from epd_flask.fleet.policies import Decision, Load, Placement, Prefix, RouteRequest
 from epd_flask.upstream.transport import Transport
 
@@ -73,7 +73,7 @@ def parse_tokens(doc: Any) -> list[int]:
     return tokens
 
 
-def held_tokens(picture: CachePicture, tokens: Sequence[int]) -> int | None:
+def held_tokens(picture: Picture, tokens: Sequence[int]) -> int | None:
     """How many of the prompt's ``tokens``, from the first, ``picture``'s instance holds (None:
     its block size is not known yet, so nothing can be matched)."""
     size = picture.block_size
@@ -97,7 +97,7 @@ class KVAware(Prefix):
         prefix = super().choose(candidates, request, load)
         if prefix.outcome == policies.NOKEY:
             return prefix
-        pictures: dict[str, CachePicture] = {}
+        pictures: dict[str, Picture] = {}
         for placed in candidates:
             picture = self.env.pictures(placed.url)
             if picture is not None:

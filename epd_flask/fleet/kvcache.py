@@ -20,9 +20,9 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Iterator, Sequence
+from collections.abc import Container, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import msgpack
 
@@ -287,6 +287,15 @@ def prompt_keys(tokens: Sequence[int], block_size: int, limit: int | None = None
     return keys
 
 
+class Picture(Protocol):
+    """What routing asks of an instance's picture: the reader's own (``CachePicture``) or a
+    sibling's copy of it (``HeldKeys``)."""
+
+    block_size: int | None
+
+    def matched(self, keys: Sequence[bytes], tokens: Sequence[int] = ()) -> int: ...
+
+
 class CachePicture:
     """One instance's cached blocks by our key, least recently stored first.
 
@@ -307,6 +316,9 @@ class CachePicture:
         self._ours: dict[bytes, Hashable] = {}
         self._roots: set[bytes] = set()
         self.orphans = 0
+        #: Set by the host's reading worker, whose siblings follow this picture: every
+        #: change is noted there until it is sent (fleet/kvrelay.py).
+        self.changes: Changes | None = None
 
     @property
     def ready(self) -> bool:
@@ -317,6 +329,12 @@ class CachePicture:
 
     def holds(self, key: bytes) -> bool:
         return key in self._ours
+
+    def keys(self) -> Iterable[bytes]:
+        return self._ours.keys()
+
+    def roots(self) -> Iterable[bytes]:
+        return self._roots
 
     def apply(self, events: Sequence[Event]) -> None:
         for event in events:
@@ -331,18 +349,28 @@ class CachePicture:
         theirs, ours, roots = self._theirs, self._ours, self._roots
         for h in block_hashes:
             key = theirs.pop(h, None)
-            if key is not None:
+            if key is None:
+                continue
+            if self.changes is None:  # one per evicted block: kept short
                 ours.pop(key, None)
                 roots.discard(key)
+            else:
+                self._forget(key)
 
     def clear(self) -> None:
         self._theirs.clear()
         self._ours.clear()
         self._roots.clear()
+        if self.changes is not None:
+            self.changes.clear()
 
     def _forget(self, ours: bytes) -> None:
-        self._ours.pop(ours, None)
-        self._roots.discard(ours)
+        if self._ours.pop(ours, None) is not None and self.changes is not None:
+            self.changes.held[ours] = False
+        if ours in self._roots:
+            self._roots.discard(ours)
+            if self.changes is not None:
+                self.changes.roots[ours] = False
 
     def _store(self, event: Stored) -> None:
         if self.block_size != event.block_size:
@@ -358,6 +386,7 @@ class CachePicture:
         packed = (tokens if isinstance(tokens, array) else array("I", tokens)).tobytes()
         salt = event.salt
         theirs_map, ours_map = self._theirs, self._ours
+        noted = None if self.changes is None else self.changes.held
         at = 0
         for theirs in event.block_hashes:
             parent = _name(parent, packed[at:at + step], salt)
@@ -366,8 +395,12 @@ class CachePicture:
             else:  # a new block under a new hash, nearly always: nothing to undo
                 theirs_map[theirs] = parent
                 ours_map[parent] = theirs
+            if noted is not None:
+                noted[parent] = True
             if at == 0 and known is None:
                 self._roots.add(parent)
+                if self.changes is not None:
+                    self.changes.roots[parent] = True
             at += step
         while len(theirs_map) > self.max_blocks:
             _, ours = theirs_map.popitem(last=False)
@@ -388,39 +421,94 @@ class CachePicture:
         self._ours[ours] = theirs
 
     def matched(self, keys: Sequence[bytes], tokens: Sequence[int] = ()) -> int:
-        """How many of ``keys`` (a prompt's blocks, in order; ``tokens`` its token ids) this
-        instance holds from the first on: the prefix a prefill there would not compute
-        again. Past the blocks named from the root, a block whose tokens start an orphan
-        chain counts with all before it, and so does the rest of that chain it holds.
+        """How many of ``keys`` this instance holds from the first on (``matched``)."""
+        return matched(self._ours, self._roots, self.block_size, keys, tokens)
 
-        One pass: a walk along an orphan chain goes on from where it stopped, never from
-        the next block again (a prompt of one block repeated, whose every block starts the
-        chain, would otherwise cost the square of its length). Two orphan chains that
-        overlap in one prompt count the one met first."""
-        n = 0
-        for key in keys:
-            if key not in self._ours:
-                break
-            n += 1
-        size = self.block_size
-        count = len(keys)
-        if not self._roots or not tokens or size is None or n == count:
-            return n
-        packed = array("I", tokens[:count * size]).tobytes()
-        step = size * TOKEN_BYTES
-        pacer = _Pacer()
-        best = j = n
+
+class Changes:
+    """What a picture's blocks became since it was last published (fleet/kvrelay.py): each
+    key's last state, so a block stored and evicted within one message is sent once, as
+    gone. ``cleared``: everything before these went."""
+
+    __slots__ = ("cleared", "held", "roots")
+
+    def __init__(self, cleared: bool = False) -> None:
+        self.held: dict[bytes, bool] = {}
+        self.roots: dict[bytes, bool] = {}
+        self.cleared = cleared
+
+    def __bool__(self) -> bool:
+        return self.cleared or bool(self.held) or bool(self.roots)
+
+    def clear(self) -> None:
+        self.held.clear()
+        self.roots.clear()
+        self.cleared = True
+
+
+class HeldKeys:
+    """A picture as a sibling worker receives it from the host's reading worker: only our
+    keys and orphan roots, which is all ``matched`` needs; the reader keeps vLLM's hashes,
+    the bound and the order. Pure Python, applied from fleet/kvrelay.py's messages."""
+
+    def __init__(self, block_size: int | None = None) -> None:
+        self.block_size = block_size
+        self.held: set[bytes] = set()
+        self.roots: set[bytes] = set()
+
+    @property
+    def ready(self) -> bool:
+        return self.block_size is not None
+
+    def clear(self) -> None:
+        self.held.clear()
+        self.roots.clear()
+
+    def change(self, added: Iterable[bytes], removed: Iterable[bytes],
+               roots_added: Iterable[bytes], roots_removed: Iterable[bytes]) -> None:
+        self.held.difference_update(removed)
+        self.held.update(added)
+        self.roots.difference_update(roots_removed)
+        self.roots.update(roots_added)
+
+    def matched(self, keys: Sequence[bytes], tokens: Sequence[int] = ()) -> int:
+        return matched(self.held, self.roots, self.block_size, keys, tokens)
+
+
+def matched(held: Container[bytes], roots: Container[bytes], block_size: int | None,
+            keys: Sequence[bytes], tokens: Sequence[int] = ()) -> int:
+    """How many of ``keys`` (a prompt's blocks, in order; ``tokens`` its token ids) this
+    instance holds from the first on: the prefix a prefill there would not compute
+    again. Past the blocks named from the root, a block whose tokens start an orphan
+    chain counts with all before it, and so does the rest of that chain it holds.
+
+    One pass: a walk along an orphan chain goes on from where it stopped, never from
+    the next block again (a prompt of one block repeated, whose every block starts the
+    chain, would otherwise cost the square of its length). Two orphan chains that
+    overlap in one prompt count the one met first."""
+    n = 0
+    for key in keys:
+        if key not in held:
+            break
+        n += 1
+    count = len(keys)
+    if not roots or not tokens or block_size is None or n == count:
+        return n
+    packed = array("I", tokens[:count * block_size]).tobytes()
+    step = block_size * TOKEN_BYTES
+    pacer = _Pacer()
+    best = j = n
+    while j < count:
+        key = _name(ORPHAN, packed[j * step:(j + 1) * step])
+        pacer.step()
+        j += 1
+        if key not in roots:
+            continue
         while j < count:
-            key = _name(ORPHAN, packed[j * step:(j + 1) * step])
+            key = _name(key, packed[j * step:(j + 1) * step])
             pacer.step()
+            if key not in held:
+                break
             j += 1
-            if key not in self._roots:
-                continue
-            while j < count:
-                key = _name(key, packed[j * step:(j + 1) * step])
-                pacer.step()
-                if key not in self._ours:
-                    break
-                j += 1
-            best = max(best, j)
-        return best
+        best = max(best, j)
+    return best

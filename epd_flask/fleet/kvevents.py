@@ -1,18 +1,19 @@
-"""The KV-event readers of one worker: a ZMQ subscriber per instance whose roster entry names
-a ``kv_events`` endpoint, each feeding that instance's ``CachePicture``
+"""The KV-event readers of a host: a ZMQ subscriber per instance whose roster entry names a
+``kv_events`` endpoint, each feeding that instance's ``CachePicture``
 (docs/behaviour.md#routing-policies).
 
-vLLM binds a PUB socket that any number of subscribers connect to, so every worker of every
-host subscribes for itself and builds its own picture, with no coordination. The set of
-readers follows the registry: an instance added gets one, an instance removed or evicted
-loses its reader and its picture (its cache is unknown until it is back), and an instance
-that stays keeps both across roster changes. Nothing here can fail a request: a dead
-endpoint, garbage on the socket, a publisher faster than the reader or a reader that fails
-gives a warning, a metric and a picture routing ignores or trusts less, and ``kv_aware``
-falls back to the prefix policy.
+vLLM binds a PUB socket that any number of subscribers connect to, so every host subscribes
+for itself and builds its own pictures, with no coordination. Within a host one worker reads
+and its siblings follow its pictures (fleet/kvrelay.py); without a state directory to meet
+in, every worker reads. The set of readers follows the registry: an instance added gets
+one, an instance removed or evicted loses its reader and its picture (its cache is unknown
+until it is back), and an instance that stays keeps both across roster changes. Nothing
+here can fail a request: a dead endpoint, garbage on the socket, a publisher faster than the
+reader or a reader that fails gives a warning, a metric and a picture routing ignores or
+trusts less, and ``kv_aware`` falls back to the prefix policy.
 
-Every worker subscribes to every instance, so one bad publisher reaches every worker of
-every host: a reader is bounded in what it holds (ZMQ's queue, a message's size and events)
+Every host subscribes to every instance, so one bad publisher reaches a worker of every
+host: a reader is bounded in what it holds (ZMQ's queue, a message's size and events)
 and in the CPU it takes (a share of a core, in turns of a few milliseconds), and drops what
 it cannot read rather than hold the worker. It waits on ZMQ's file descriptor through
 gevent's own event loop, never ``select()``, so it works at any descriptor number.
@@ -24,6 +25,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import gevent
 import zmq
@@ -36,14 +38,17 @@ from epd_flask.core.periodic import Periodic
 from epd_flask.fleet.kvcache import (
     MAX_BLOCKS,
     CachePicture,
+    Changes,
     Cleared,
     MalformedEvents,
+    Picture,
     Removed,
     Stored,
     open_batch,
     pieces,
     sequence_number,
 )
+from epd_flask.fleet.kvrelay import Relay
 from epd_flask.fleet.registry import Registry
 
 logger = logging.getLogger(__name__)
@@ -146,6 +151,8 @@ class Reader:
         self._caught_up = time.monotonic()
         self._warned_down = False
         self._warned_garbage = False
+        #: Told after each message applied (the host's relay sends what changed).
+        self.on_change: Callable[[str, Reader], None] | None = None
 
     @property
     def stale(self) -> bool:
@@ -210,6 +217,8 @@ class Reader:
                 if idle:  # behind is counted from the first message after a wait, not the wait
                     self._caught_up = time.monotonic()
                 self._take(frames, extra)
+                if self.on_change is not None:
+                    self.on_change(self.url, self)
                 if not sub.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                     self._caught_up = time.monotonic()
                 elif time.monotonic() - self._caught_up > BEHIND_SECONDS:
@@ -409,16 +418,19 @@ class _Turn:
 
 
 class KVEvents:
-    """This worker's readers, by instance URL, following the registry."""
+    """This worker's readers, by instance URL, following the registry; or, with a state
+    directory (``state_dir``) whose lock a sibling holds, that sibling's pictures."""
 
     def __init__(self, registry: Registry,
                  context: Callable[[], zmq_green.Context] = reader_context,
-                 max_blocks: int = MAX_BLOCKS, events: Events | None = None) -> None:
+                 max_blocks: int = MAX_BLOCKS, events: Events | None = None,
+                 state_dir: str | Path | None = None) -> None:
         self.registry = registry
         self.events = events if events is not None else Events()
         self.max_blocks = max_blocks
         self._context = context
         self.readers: dict[str, Reader] = {}
+        self.relay = Relay.for_state_dir(state_dir, context, lambda: self.readers)
         self._loop = Periodic("KV event readers", self.sync, lambda: SYNC_INTERVAL)
 
     def start(self) -> None:
@@ -429,10 +441,21 @@ class KVEvents:
         self._loop.stop()
         stopping = [g for g in (r.stop() for r in self.readers.values()) if g is not None]
         self.readers.clear()
+        if self.relay is not None:
+            stopping += self.relay.close()
         gevent.joinall(stopping, timeout=STOP_SECONDS)
 
+    @property
+    def following(self) -> bool:
+        """A sibling reads for this worker's host."""
+        return self.relay is not None and not self.relay.leading
+
     def sync(self) -> None:
-        """A reader for every live instance with an endpoint; none for any other."""
+        """Read for the host if no sibling does (else follow the one that does): a reader for
+        every live instance with an endpoint; none for any other."""
+        if self.relay is not None and not self._lead():
+            self.relay.follow()
+            return
         wanted = {s.instance.url: s.instance.kv_events for s in self.registry.states()
                   if s.live and s.instance.kv_events}
         for url, reader in list(self.readers.items()):
@@ -443,10 +466,31 @@ class KVEvents:
             if url not in self.readers and endpoint:
                 reader = self.readers[url] = Reader(url, endpoint, self._context(),
                                                     self.max_blocks, self.events)
+                if self.relay is not None:
+                    # Starting with a clear: a sibling may hold what an earlier reader of
+                    # this instance saw.
+                    reader.picture.changes = Changes(cleared=True)
+                    reader.on_change = self.relay.send
                 reader.start()
 
-    def picture(self, url: str) -> CachePicture | None:
-        """``url``'s picture when it is worth routing by (``Reader.trusted``)."""
+    def _lead(self) -> bool:
+        """Whether this worker reads for its host, taking the relay's lock if it is free. A
+        relay that cannot be set up is given up: every worker then reads for itself."""
+        assert self.relay is not None
+        try:
+            return self.relay.lead()
+        except (OSError, zmq.ZMQError) as exc:
+            logger.warning("KV relay: cannot share this host's KV pictures through %s (%s); "
+                           "this worker reads the KV events itself", self.relay.where, exc)
+            self.relay.close()
+            self.relay = None
+            return True
+
+    def picture(self, url: str) -> Picture | None:
+        """``url``'s picture when it is worth routing by (``Reader.trusted``, as the reading
+        worker says when a sibling reads)."""
+        if self.relay is not None and self.relay.follower is not None:
+            return self.relay.follower.picture(url)
         reader = self.readers.get(url)
         if reader is None or not reader.trusted:
             return None
@@ -455,6 +499,9 @@ class KVEvents:
     def missing(self, urls: Sequence[str]) -> str:
         """Why none of these instances has a picture to route by: ``stale`` when a reader
         dropped messages lately, else ``noevents``."""
+        follower = self.relay.follower if self.relay is not None else None
+        if follower is not None:
+            return STALE if any(follower.stale(url) for url in urls) else NOEVENTS
         if any(r is not None and r.picture.ready and r.stale
                for r in (self.readers.get(url) for url in urls)):
             return STALE

@@ -28,7 +28,7 @@ from typing import ClassVar
 
 from epd_flask.control import policyspecs
 from epd_flask.control.roster import Instance, Settings
-from epd_flask.fleet.kvcache import CachePicture
+from epd_flask.fleet.kvcache import Picture
 
 #: Decision outcomes, the metric's bounded label values.
 ROTATION, LEAST, TIE, HIT, SPILL, NOKEY = "rotation", "least", "tie", "hit", "spill", "nokey"
@@ -123,7 +123,7 @@ class PolicyEnv:
     settings: Callable[[], Settings]
     rng: random.Random
     new_cursor: Callable[[], Iterator[int]]
-    pictures: Callable[[str], CachePicture | None] = lambda url: None
+    pictures: Callable[[str], Picture | None] = lambda url: None
     #: Why none of these instances has a picture (``noevents``, ``stale``): the fallback's why.
     no_pictures: Callable[[Sequence[str]], str] = lambda urls: "noevents"
 

@@ -26,7 +26,7 @@ from epd_flask.core.errors import NoBackend
 from epd_flask.core.tracing import RequestTrace
 from epd_flask.fleet import policies
 from epd_flask.fleet.kvaware import Tokenizer, held_tokens
-from epd_flask.fleet.kvcache import CachePicture
+from epd_flask.fleet.kvcache import Picture
 from epd_flask.fleet.live import LiveFleet
 from epd_flask.fleet.policies import Decision, Load, Placement, Policy, PolicyEnv, RouteRequest
 
@@ -103,7 +103,7 @@ class Router:
     None draws a random start per worker."""
 
     def __init__(self, live: LiveFleet, sources: Mapping[str, CandidateSource] | None = None,
-                 pictures: Callable[[str], CachePicture | None] | None = None,
+                 pictures: Callable[[str], Picture | None] | None = None,
                  no_pictures: Callable[[Sequence[str]], str] | None = None,
                  tokenizer: Tokenizer | None = None, seed: int | None = None,
                  narrow: Narrow | None = None) -> None:

@@ -190,3 +190,33 @@ def test_a_flooding_publisher_never_stalls_the_worker_nor_grows_it(
         assert "stale" in routed, routed
     else:
         assert "stale" not in routed and "noevents" in routed, routed
+
+
+def test_one_worker_of_a_host_reads_the_kv_events_and_every_worker_routes_by_them(
+        procs, publisher: Publisher) -> None:
+    """Two workers: one subscribes and names the blocks, the other follows its picture
+    through the state directory; requests either worker takes go where the prompt is
+    cached."""
+    p = procs["sim"]("prefill")
+    other = procs["sim"]("prefill")
+    d = procs["sim"]("decode")
+    gw = procs["gunicorn"]({"settings": {"routing": {"prefill": "kv_aware"}},
+                            "instances": [{"role": "prefill", "url": p.url,
+                                           "kv_events": publisher.endpoint},
+                                          {"role": "prefill", "url": other.url},
+                                          {"role": "decode", "url": d.url}]}, workers=2)
+    tokens = list(range(100, 100 + 4 * BLOCK))
+    publish_until_heard(gw.url, publisher, batch(stored([1, 2, 3, 4], None, tokens)))
+    readers = re.findall(r"\[(\d+)\] \[INFO\] [\w.]+: KV relay: this worker reads",
+                         gw.log.read_text(errors="replace"))
+    assert len(readers) == 1 and int(readers[0]) in gw.workers()
+
+    by_blocks: set[str] = set()
+    deadline = time.monotonic() + 60
+    while len(by_blocks) < 2 and time.monotonic() < deadline:
+        r = requests.post(gw.url + "/v1/completions", timeout=60, json={
+            "model": "tiny-llama", "prompt": tokens + [5] * BLOCK, "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        by_blocks = set(re.findall(r"\[(\d+)\] .*prefill:kv_aware\(blocks=4/5,load=0\)",
+                                   gw.log.read_text(errors="replace")))
+    assert by_blocks == {str(pid) for pid in gw.workers()}
