@@ -452,12 +452,13 @@ class KVEvents:
 
     def sync(self) -> None:
         """Read for the host if no sibling does (else follow the one that does): a reader for
-        every live instance with an endpoint; none for any other."""
-        if self.relay is not None and not self._lead():
-            self.relay.follow()
-            return
+        every live instance with an endpoint; none for any other. A host whose instances
+        publish no events takes no lock and opens no socket."""
         wanted = {s.instance.url: s.instance.kv_events for s in self.registry.states()
                   if s.live and s.instance.kv_events}
+        if self.relay is not None and (wanted or self.relay.active) and not self._lead():
+            self.relay.follow()
+            return
         for url, reader in list(self.readers.items()):
             if wanted.get(url) != reader.endpoint:
                 reader.stop()

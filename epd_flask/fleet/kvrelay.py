@@ -411,6 +411,11 @@ class Relay:
     def leading(self) -> bool:
         return self.holder is not None
 
+    @property
+    def active(self) -> bool:
+        """It holds or follows (it did not while the host had no instance to read)."""
+        return self.holder is not None or self.follower is not None
+
     def lead(self) -> bool:
         """Take the lock if no sibling holds it: True when this worker now reads for its
         host (it stops following first)."""

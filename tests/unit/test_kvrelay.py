@@ -206,3 +206,15 @@ def test_a_pictures_changes_are_each_keys_last_state_and_rebuild_it_elsewhere() 
     picture.clear()
     relay()
     assert copy.held == set() and copy.roots == set()
+
+
+def test_a_host_whose_instances_publish_no_events_takes_no_lock_and_opens_no_socket(
+        tmp_path: Path) -> None:
+    h = Host(tmp_path, (Instance(role="prefill", url=f"http://127.0.0.1:{free_port()}"),))
+    try:
+        kv, _ = h.worker()
+        kv.sync()
+        assert kv.relay is not None and not kv.relay.active
+        assert list(tmp_path.iterdir()) == []
+    finally:
+        h.stop()
