@@ -184,10 +184,16 @@ class Holder:
         return frames
 
     def _serve(self) -> None:
+        """Answer every ask; one that cannot be answered is logged and the next served (the
+        siblings ask again), so no error leaves them without snapshots for good."""
         while True:
             request = self._router.recv_multipart()
-            if len(request) == 2 and request[1] == ASK:
+            if len(request) != 2 or request[1] != ASK:
+                continue
+            try:
                 self._router.send_multipart([request[0], *self.snapshot()])
+            except Exception:
+                logger.exception("KV relay: cannot answer a sibling's ask for everything")
 
 
 class Follower:

@@ -218,3 +218,25 @@ def test_a_host_whose_instances_publish_no_events_takes_no_lock_and_opens_no_soc
         assert list(tmp_path.iterdir()) == []
     finally:
         h.stop()
+
+
+def test_an_ask_the_reader_cannot_answer_is_logged_and_the_next_one_served(
+        host: Host, publisher: Publisher, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    reader, _ = host.worker()
+    url = host.instances[0].url
+    store_until(reader, publisher, url, PROMPT)
+    holder = reader.relay.holder if reader.relay is not None else None
+    assert holder is not None
+    snapshot = holder.snapshot
+    asked: list[int] = []
+
+    def once_broken() -> list[bytes]:
+        asked.append(1)
+        if len(asked) == 1:
+            raise RuntimeError("broken")
+        return snapshot()
+    monkeypatch.setattr(holder, "snapshot", once_broken)
+    late, _ = host.worker()
+    assert eventually(lambda: matched(late, url, PROMPT) == 6, 5)
+    assert any("cannot answer a sibling's ask" in r.getMessage() for r in caplog.records)
