@@ -76,6 +76,18 @@ def open_lock(path: Path) -> int:
     return fd
 
 
+def try_lock(fd: int) -> bool:
+    """Take the exclusive ``flock`` on ``fd`` (from ``open_lock``) unless another open file
+    holds it: False then, at once. A worker polls rather than block its event loop."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno not in (errno.EAGAIN, errno.EACCES):
+            raise
+        return False
+    return True
+
+
 def close_lock(fd: int) -> None:
     """Close a descriptor from ``open_lock`` (which releases its ``flock``)."""
     with _fork_guard:
@@ -134,17 +146,10 @@ class StateDir:
         fd = open_lock(self.path / LOCK_FILE)
         try:
             deadline = time.monotonic() + timeout
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except OSError as exc:
-                    if exc.errno not in (errno.EAGAIN, errno.EACCES):
-                        raise
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(
-                            f"{self.path / LOCK_FILE} stayed locked for {timeout:g} s") from None
-                    time.sleep(LOCK_POLL)
+            while not try_lock(fd):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{self.path / LOCK_FILE} stayed locked for {timeout:g} s")
+                time.sleep(LOCK_POLL)
             yield
         finally:
             close_lock(fd)  # closing releases the lock

@@ -30,7 +30,6 @@ asks for a snapshot.
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import logging
 import os
@@ -44,7 +43,13 @@ import gevent
 import zmq
 import zmq.green as zmq_green
 
-from epd_flask.control.statedir import KV_RELAY_LOCK_FILE, KV_RELAY_SOCKETS, close_lock, open_lock
+from epd_flask.control.statedir import (
+    KV_RELAY_LOCK_FILE,
+    KV_RELAY_SOCKETS,
+    close_lock,
+    open_lock,
+    try_lock,
+)
 from epd_flask.core import cooperate
 from epd_flask.core.periodic import Periodic
 from epd_flask.fleet.kvcache import KEY_BYTES, CachePicture, HeldKeys
@@ -427,13 +432,9 @@ class Relay:
         host (it stops following first)."""
         if self.holder is not None:
             return True
-        try:
-            if self._lock is None:
-                self._lock = open_lock(self._lock_path)
-            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno not in (errno.EAGAIN, errno.EACCES):
-                raise
+        if self._lock is None:
+            self._lock = open_lock(self._lock_path)
+        if not try_lock(self._lock):
             return False
         if self.follower is not None:
             self.follower.close()

@@ -64,7 +64,6 @@ script reads keys it is not given (the hosts' keys, found in a set): one Redis, 
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import hashlib
 import logging
@@ -87,6 +86,7 @@ from epd_flask.control.statedir import (
     close_lock,
     map_shared,
     open_lock,
+    try_lock,
 )
 from epd_flask.core.events import Events
 from epd_flask.core.periodic import Periodic
@@ -576,11 +576,7 @@ class LoadShare:
         if not self._open():
             return True
         assert self._lock is not None
-        try:
-            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno not in (errno.EAGAIN, errno.EACCES):
-                raise
+        if not try_lock(self._lock):
             return False
         self.leading = True
         self._sent, self._retry_at, self._body = b"", 0.0, None  # the host's counts go out at once
